@@ -1,0 +1,25 @@
+# Two entry points: `make run` (the worker with the shipped pair, observed) and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup system-deps run test bench
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# The CPU build lies on disk; installing it first keeps pip from pulling a CUDA build.
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Prometheus (and promtool) for the rule tests and the native stack.
+system-deps:
+	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+
+run: setup
+	$(PY) -m worker serve
+
+test: setup system-deps
+	$(PY) -m pytest -q tests

@@ -1,0 +1,22 @@
+"""Shared fixtures: small random checkpoints built once per test session."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from random_models import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Random target/draft checkpoints per family, sharing one tokenizer."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    built = {}
+    for family in ("llama", "qwen2", "mistral"):
+        built[family] = make_checkpoint(root / family, family, layers=2, seed=0)
+        built[family + "-draft"] = make_checkpoint(root / (family + "-draft"), family, layers=1, seed=1)
+    return {k: str(v) for k, v in built.items()}

@@ -1,0 +1,102 @@
+"""Speculative decoding through the engine: exactness, acceptance, preemption, stopping."""
+import pytest
+import torch
+
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.models.loader import ModelLoadError
+from worker.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def prompts(n):
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 300, (2 + 5 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def engine(target, draft=None, **kw):
+    return LLMEngine(EngineConfig(model=target, draft_model=draft, max_model_len=128, **kw))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_speculative_equals_greedy_plain(checkpoints, family, batch):
+    plain = engine(checkpoints[family]).generate(prompts(batch), GREEDY)
+    spec = engine(checkpoints[family], checkpoints[family + "-draft"]).generate(prompts(batch), GREEDY)
+    assert [r[0] for r in spec] == [r[0] for r in plain]
+    assert all(len(r[0]) == 24 and r[2] == "length" for r in spec)
+
+
+def test_identical_draft_accepts_everything(checkpoints):
+    e = engine(checkpoints["llama"], checkpoints["llama"], num_speculative_tokens=3)
+    e.generate(prompts(4), GREEDY)
+    assert e.stats.acceptance_rate == 1.0
+    assert e.stats.mean_acceptance_length == 4.0
+    assert e.stats.accepted_per_position == [e.stats.drafts] * 3
+
+
+def test_preemption_under_block_pressure_keeps_outputs(checkpoints):
+    reference = engine(checkpoints["llama"], checkpoints["llama-draft"]).generate(prompts(8), GREEDY)
+    tight = engine(checkpoints["llama"], checkpoints["llama-draft"], num_kv_blocks=12)
+    assert [r[0] for r in tight.generate(prompts(8), GREEDY)] == [r[0] for r in reference]
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.blocks.num_used == 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoints):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = engine(checkpoints["llama"], checkpoints["llama-draft"]).generate(prompts(1), params)
+    crowd_params = [params] + [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 5
+    crowd = engine(checkpoints["llama"], checkpoints["llama-draft"]).generate(prompts(6), crowd_params)
+    assert crowd[0][0] == alone[0][0]
+
+
+def test_stop_string_and_eos_finish_requests(checkpoints):
+    e = engine(checkpoints["llama"], checkpoints["llama-draft"])
+    (tokens, text, reason), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=40, temperature=0,
+                                                                          ignore_eos=True))
+    stop = text[5:8]
+    (_, stopped_text, stop_reason), = e.generate([prompts(1)[0]], SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))
+    assert stop_reason == "stop" and stop not in stopped_text and text.startswith(stopped_text)
+    eos = e.tokenizer.eos_token_id
+    e.eos_token_ids = {tokens[3]}  # pretend a greedy token is the end of text
+    (eos_tokens, _, eos_reason), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=40, temperature=0))
+    assert eos_reason == "stop" and eos_tokens == tokens[:tokens.index(tokens[3]) + 1]
+    assert eos is not None
+
+
+def test_abort_frees_blocks(checkpoints):
+    e = engine(checkpoints["llama"], checkpoints["llama-draft"])
+    rid = e.add_request(prompts(1)[0], SamplingParams(max_tokens=50))
+    e.step()
+    e.step()
+    assert e.blocks.num_used > 0
+    e.abort_request(rid)
+    assert e.blocks.num_used == 0 and not e.has_unfinished_requests()
+
+
+def test_bad_inputs_are_clear(checkpoints, tmp_path):
+    e = engine(checkpoints["llama"])
+    with pytest.raises(ValueError, match="empty"):
+        e.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        e.add_request(list(range(128)), GREEDY)
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        engine(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ModelLoadError, match="not supported.*LlamaForCausalLM"):
+        engine(str(tmp_path))
+
+
+def test_draft_with_another_tokenizer_is_refused(checkpoints, tmp_path):
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(checkpoints["llama-draft"], other)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        engine(checkpoints["llama"], str(other))

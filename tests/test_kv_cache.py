@@ -1,0 +1,71 @@
+"""Block manager and scheduler bookkeeping, without torch."""
+import sys
+
+from worker.kv_cache import BlockManager
+from worker.sampling_params import SamplingParams
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence, Status
+
+
+def seq(name, n):
+    return Sequence(name, list(range(n)), SamplingParams())
+
+
+def test_allocate_grow_trim_free():
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    a = seq("a", 5)
+    assert blocks.can_allocate(a, 5)
+    blocks.allocate(a, 5)
+    assert len(a.block_table) == 2 and blocks.num_free == 4
+    blocks.allocate(a, 13)  # grow for lookahead slots
+    assert len(a.block_table) == 4 and blocks.num_free == 2
+    assert blocks.slot(a, 9) == a.block_table[2] * 4 + 1
+    blocks.trim(a, 6)  # rejected draft slots give their blocks back
+    assert len(a.block_table) == 2 and blocks.num_free == 4
+    assert not blocks.can_allocate(seq("b", 30), 30)
+    blocks.free(a)
+    assert a.block_table == [] and blocks.num_free == 6
+
+
+def test_scheduler_preempts_newest_and_leaks_nothing():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, lookahead=2)
+    old, new = seq("old", 6), seq("new", 6)
+    sched.add(old)
+    sched.add(new)
+    batch = sched.schedule()
+    assert batch.is_prefill and [s.request_id for s in batch.seqs] == ["old", "new"]
+    for s in batch.seqs:
+        s.num_cached = len(s)
+        s.output_token_ids.append(1)
+    # Each now needs 7 + 2 slots = 3 blocks: only one fits, the newest is preempted.
+    batch = sched.schedule()
+    assert not batch.is_prefill and [s.request_id for s in batch.seqs] == ["old"]
+    assert new.status is Status.WAITING and new.block_table == [] and new.num_cached == 0
+    assert sched.num_preemptions == 1 and list(sched.waiting) == [new]
+    sched.finish(old, "stop")
+    batch = sched.schedule()  # the preempted request comes back with its output kept
+    assert batch.is_prefill and batch.seqs == [new] and new.token_ids[-1] == 1
+    sched.finish(new, "length")
+    assert blocks.num_free == 4 and not sched.has_unfinished()
+
+
+def test_admission_respects_limits():
+    blocks = BlockManager(num_blocks=100, block_size=4)
+    sched = Scheduler(blocks, max_num_seqs=2, max_num_batched_tokens=10, lookahead=0)
+    for name, n in [("a", 4), ("b", 4), ("c", 4)]:
+        sched.add(seq(name, n))
+    assert [s.request_id for s in sched.schedule().seqs] == ["a", "b"]  # max_num_seqs
+    sched2 = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10, lookahead=0)
+    for name, n in [("a", 4), ("b", 4), ("c", 4)]:
+        sched2.add(seq(name, n))
+    assert [s.request_id for s in sched2.schedule().seqs] == ["a", "b"]  # token budget
+
+
+def test_bookkeeping_imports_no_torch():
+    for name in ("worker.kv_cache", "worker.scheduler", "worker.sequence"):
+        module = sys.modules[name]
+        assert "torch" not in vars(module), name
+    import subprocess
+    code = "import sys, worker.scheduler, worker.kv_cache; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -1,0 +1,104 @@
+"""`python -m worker serve | profile | generate`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+
+
+def parse_size(text: str) -> int:
+    from worker.memory_plan import parse_size as parse
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target checkpoint directory (default: shipped pair)")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL, help="draft checkpoint directory")
+    draft.add_argument("--no-draft", action="store_true", help="plain decoding, no draft model")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
+                   type=float, default=None, metavar="F",
+                   help="budget as a share of device memory (default 0.9 on CUDA)")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
+                   help="explicit KV cache size, e.g. 2GiB (overrides --memory-utilization)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N")
+    p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="INFO")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, draft_model=None if args.no_draft else args.draft_model,
+        num_speculative_tokens=args.num_speculative_tokens, device=args.device, dtype=args.dtype,
+        memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require this Bearer token on /v1/* (or set VRAMLEDGER_API_KEY)")
+    serve.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                       help="queued requests beyond this are refused with 503 and Retry-After")
+    serve.set_defaults(run=run_serve)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print it")
+    add_engine_flags(gen)
+    gen.add_argument("--prompt", default="def fibonacci(n):\n")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", dest="request_seed", type=int, default=None)
+    gen.set_defaults(run=run_generate)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from worker.server import run_server
+    return run_server(args)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from worker.engine import LLMEngine
+    from worker.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.request_seed)
+    (tokens, text, reason), = engine.generate([args.prompt], params)
+    print(args.prompt + text)
+    print(f"-- {len(tokens)} tokens, finish_reason={reason}", file=sys.stderr)
+    if engine.k:
+        s = engine.stats
+        print(f"-- acceptance rate {s.acceptance_rate:.3f}, mean acceptance length "
+              f"{s.mean_acceptance_length:.2f} (k={engine.k})", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except (ValueError, RuntimeError) as exc:  # configuration and memory-plan errors are for the user
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

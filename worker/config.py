@@ -1,0 +1,69 @@
+"""Engine and memory settings: one validated dataclass."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+ASSETS = Path(__file__).parent / "assets"
+DEFAULT_MODEL = str(ASSETS / "tiny-coder-target")
+DEFAULT_DRAFT_MODEL = str(ASSETS / "tiny-coder-draft")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to load models, size its KV cache and batch requests."""
+
+    model: str = DEFAULT_MODEL
+    draft_model: str | None = DEFAULT_DRAFT_MODEL
+    num_speculative_tokens: int = 4
+    device: str = "auto"
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 (or fp16) on CUDA
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    memory_utilization: float | None = None  # None: 0.9 on CUDA; on CPU the KV cache is capped at 2 GiB
+    kv_cache_memory: int | None = None  # bytes; overrides memory_utilization
+    num_kv_blocks: int | None = None  # fixed block count, skips the memory plan (tests, benchmarks)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.draft_model is None or self.num_speculative_tokens == 0:
+            self.draft_model, self.num_speculative_tokens = None, 0
+        _check(self.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0")
+        _check(self.num_speculative_tokens <= 16, "num_speculative_tokens must be <= 16")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        if self.memory_utilization is not None:
+            _check(0 < self.memory_utilization <= 1 and math.isfinite(self.memory_utilization),
+                   "memory_utilization must be in (0, 1]")
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
+
+    def resolve_lengths(self, model_max_positions: int) -> None:
+        """Fill max_model_len and max_num_batched_tokens once the model's limit is known."""
+        if self.max_model_len is None:
+            self.max_model_len = min(model_max_positions, 2048)
+        _check(self.max_model_len <= model_max_positions,
+               f"max_model_len {self.max_model_len} exceeds the model's "
+               f"max_position_embeddings {model_max_positions}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(2048, self.max_model_len)
+        # Prefill is not chunked: one whole prompt must fit in a batch.
+        _check(self.max_num_batched_tokens >= self.max_model_len,
+               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+               f"max_model_len ({self.max_model_len})")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        # Verification writes k draft slots past the last committed token.
+        return -(-(self.max_model_len + self.num_speculative_tokens) // self.block_size)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,237 @@
+"""The engine: step() = schedule -> propose -> verify -> sample -> account."""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+
+import torch
+
+from worker.config import EngineConfig
+from worker.detokenizer import IncrementalText
+from worker.device import get_device
+from worker.kv_cache import BlockManager
+from worker.model_runner import ModelRunner
+from worker.models.loader import ModelLoadError, load_config, load_model, load_tokenizer
+from worker.outputs import EngineStats, RequestOutput
+from worker.sampler import RowParams, probabilities, sample
+from worker.sampling_params import SamplingParams
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence
+from worker.spec_decode import verify
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    """Continuous-batching speculative decoding over one paged KV cache."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = get_device(config.device)
+        self.dtype = self.device.dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        for path in filter(None, (config.model, config.draft_model)):
+            load_config(path)  # a bad path or architecture fails before anything is loaded
+        self.tokenizer = load_tokenizer(config.model)
+        if config.draft_model:
+            check_same_tokenizer(self.tokenizer, load_tokenizer(config.draft_model), config)
+        target = load_model(config.model, self.dtype, self.device.torch_device)
+        draft = load_model(config.draft_model, self.dtype, self.device.torch_device) if config.draft_model else None
+        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+            raise ModelLoadError(f"draft vocab_size {draft.config.vocab_size} differs from the "
+                                 f"target's {target.config.vocab_size}")
+        config.resolve_lengths(target.config.max_position_embeddings)
+        self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
+        self.num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.blocks = BlockManager(self.num_blocks, config.block_size)
+        self.k = config.num_speculative_tokens
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.k)
+        self.stats = EngineStats(num_speculative_tokens=self.k)
+        self.eos_token_ids = eos_ids(self.tokenizer, target.config)
+        self._seqs: dict[str, Sequence] = {}
+        self._text: dict[str, IncrementalText] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+
+    def _default_num_blocks(self) -> int:
+        # Enough for every sequence at max_model_len, at most 2 GiB (the CPU default).
+        enough = self.config.max_num_seqs * self.config.max_blocks_per_seq
+        return max(1, min(enough, (2 << 30) // self.runner.bytes_per_block()))
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
+                             f"{self.config.max_model_len} (the prompt and at least one new token must fit)")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self._generators[request_id] = torch.Generator(self.device.torch_device).manual_seed(seed)
+        self._text[request_id] = IncrementalText(self.tokenizer, params.stop)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self._forget(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        if batch.is_prefill:
+            new_tokens, accepted = self._prefill(batch.seqs), None
+        elif self.k == 0:
+            new_tokens, accepted = self._decode_plain(batch.seqs), None
+        else:
+            new_tokens, accepted = self._decode_speculative(batch.seqs)
+        self.stats.steps += 1
+        return self._postprocess(batch.seqs, new_tokens, accepted)
+
+    def _rows(self, seqs: list[Sequence]) -> RowParams:
+        return RowParams([s.params for s in seqs], [self._generators[s.request_id] for s in seqs],
+                         self.device.torch_device)
+
+    def _prefill(self, seqs: list[Sequence]) -> list[list[int]]:
+        rows = [s.token_ids[s.num_cached:] for s in seqs]
+        starts = [s.num_cached for s in seqs]
+        tables = [s.block_table for s in seqs]
+        logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
+        if self.k:
+            self.runner.forward("draft", rows, starts, tables, 0)
+        for s in seqs:
+            self.stats.prompt_tokens += len(s) - s.num_cached
+            s.num_cached = s.num_draft_cached = len(s)
+        rp = self._rows(seqs)
+        return [[t] for t in sample(probabilities(logits, rp), rp).tolist()]
+
+    def _decode_plain(self, seqs: list[Sequence]) -> list[list[int]]:
+        rows = [[s.token_ids[-1]] for s in seqs]
+        logits = self.runner.forward("target", rows, [len(s) - 1 for s in seqs],
+                                     [s.block_table for s in seqs], 1)[:, 0]
+        for s in seqs:
+            s.num_cached = len(s)
+        rp = self._rows(seqs)
+        return [[t] for t in sample(probabilities(logits, rp), rp).tolist()]
+
+    def _decode_speculative(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int]]:
+        B, k, dev = len(seqs), self.k, self.device.torch_device
+        lens = [len(s) for s in seqs]
+        tables = [s.block_table for s in seqs]
+        rp = self._rows(seqs)
+        # Propose: k draft steps; the first also catches up on tokens the draft has not seen.
+        rows = [s.token_ids[s.num_draft_cached:] for s in seqs]
+        starts = [s.num_draft_cached for s in seqs]
+        feed = None
+        draft_probs, draft_tokens = [], []
+        for i in range(k):
+            logits = self.runner.forward("draft", rows, starts, tables, 1, input_ids=feed)[:, 0]
+            q = probabilities(logits, rp)  # [B, V]
+            d = sample(q, rp)  # [B]
+            draft_probs.append(q)
+            draft_tokens.append(d)
+            rows, starts, feed = [[0]] * B, [n + i for n in lens], d[:, None]
+        drafts = torch.stack(draft_tokens, 1)  # [B, k]
+        # Verify: the target scores the last token and the k proposals in one forward.
+        last = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)[:, None]
+        logits = self.runner.forward("target", [[0] * (k + 1)] * B, [n - 1 for n in lens], tables,
+                                     k + 1, input_ids=torch.cat([last, drafts], 1))  # [B, k+1, V]
+        p = probabilities(logits.flatten(0, 1), rp.expand(k + 1)).view(B, k + 1, -1)
+        num_accepted, tokens = verify(drafts, torch.stack(draft_probs, 1), p, rp)
+        accepted = num_accepted.tolist()
+        emitted = [row[:n + 1] for row, n in zip(tokens.tolist(), accepted)]
+        # Roll back: only the accepted proposals' keys and values stay valid.
+        for s, n, length in zip(seqs, accepted, lens):
+            s.num_cached = length + n
+            s.num_draft_cached = min(length + k - 1, length + n)
+            s.num_draft_tokens += k
+            s.num_accepted_tokens += n
+        self.stats.record_verification(accepted)
+        return emitted, accepted
+
+    def _postprocess(self, seqs: list[Sequence], new_tokens: list[list[int]],
+                     accepted: list[int] | None) -> list[RequestOutput]:
+        outputs = []
+        for s, tokens in zip(seqs, new_tokens):
+            if s.first_token_time is None:
+                s.first_token_time = time.monotonic()
+            appended, reason = self._append(s, tokens)
+            self.stats.generation_tokens += len(appended)
+            text = self._text[s.request_id]
+            if text.update(s.output_token_ids) and reason is None:
+                reason = "stop"
+            if reason is not None:
+                self.scheduler.finish(s, reason)
+            else:
+                s.num_cached = min(s.num_cached, len(s) - 1)
+                s.num_draft_cached = min(s.num_draft_cached, len(s) - 1)
+                self.blocks.trim(s, len(s))
+            outputs.append(RequestOutput(
+                s.request_id, appended, text.delta(final=reason is not None), reason is not None, reason,
+                s.num_prompt_tokens, len(s.output_token_ids), s.num_draft_tokens, s.num_accepted_tokens))
+            if reason is not None:
+                self._forget(s)
+        return outputs
+
+    def _append(self, s: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Append tokens one by one until one of them finishes the request."""
+        appended = []
+        for t in tokens:
+            s.output_token_ids.append(t)
+            appended.append(t)
+            if t in self.eos_token_ids and not s.params.ignore_eos:
+                return appended, "stop"
+            if len(s.output_token_ids) >= s.params.max_tokens or len(s) >= self.config.max_model_len:
+                return appended, "length"
+        return appended, None
+
+    def _forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        self._text.pop(seq.request_id, None)
+        self._generators.pop(seq.request_id, None)
+
+    # -- convenience ------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]):
+        """Run prompts to completion; returns {request_id: (token_ids, text, finish_reason)} in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        results = {i: ([], [], None) for i in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                tokens, texts, _ = results[out.request_id]
+                tokens.extend(out.new_token_ids)
+                texts.append(out.text)
+                results[out.request_id] = (tokens, texts, out.finish_reason)
+        return [(results[i][0], "".join(results[i][1]), results[i][2]) for i in ids]
+
+
+def eos_ids(tokenizer, model_config) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos = getattr(model_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def check_same_tokenizer(target_tok, draft_tok, config: EngineConfig) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab() or target_tok.eos_token_id != draft_tok.eos_token_id:
+        raise ModelLoadError(f"the draft model's tokenizer ({config.draft_model}) differs from the "
+                             f"target's ({config.model}); speculative decoding needs the same tokenizer "
+                             "(use --no-draft to serve without a draft)")

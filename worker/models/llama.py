@@ -1,0 +1,134 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) reading its KV cache through block tables."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.models.attention import PagedBatch
+from worker.models.rope import RotaryEmbedding, apply_rope
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class Arch:
+    """What differs between the supported architectures."""
+
+    def __init__(self, config):
+        name = config.architectures[0]
+        self.qkv_bias = name == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        self.o_bias = name == "LlamaForCausalLM" and bool(getattr(config, "attention_bias", False))
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types:
+            self.windows = [window if t == "sliding_attention" else None for t in layer_types]
+        else:
+            self.windows = [window if name == "MistralForCausalLM" else None] * config.num_hidden_layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, arch: Arch, layer: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.window = arch.windows[layer]
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=arch.o_bias)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, batch: PagedBatch):
+        B, Q, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, Q, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, Q, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, Q, self.num_kv_heads, self.head_dim)
+        # Write the new keys/values, then read the whole context through the block table.
+        k_cache.index_copy_(0, batch.write_slots, k.reshape(B * Q, *k.shape[2:])[batch.write_rows])
+        v_cache.index_copy_(0, batch.write_slots, v.reshape(B * Q, *v.shape[2:])[batch.write_rows])
+        keys = k_cache[batch.gather_slots].transpose(1, 2)  # [B, kvH, C, D]
+        values = v_cache[batch.gather_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window),
+            enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, arch: Arch):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=arch.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=arch.mlp_bias)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, arch: Arch, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, arch, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, arch)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config, arch: Arch):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, arch, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow the Hugging Face checkpoints, so state dicts load as they are."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        arch = Arch(config)
+        self.model = Decoder(config, arch)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
+        """[k/v, layers, slots, kv heads, head dim]: one tensor holds the whole cache."""
+        return (2, self.num_layers, num_slots, self.num_kv_heads, self.head_dim)
+
+    def forward(self, batch: PagedBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Logits [B, n, V] at batch.logits_index (n may be 0: fill the cache only)."""
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
+        if batch.logits_index.shape[1] == 0:
+            return x.new_empty(x.shape[0], 0, self.config.vocab_size)
+        picked = x.gather(1, batch.logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self.model.norm(picked)).float()

@@ -1,0 +1,61 @@
+"""A request as the scheduler sees it: tokens, progress, blocks (torch-free)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from worker.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request: its prompt, its output so far and its place in the KV cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    block_table: list[int] = field(default_factory=list)
+    # Tokens whose keys and values sit in the cache, per model. The last committed
+    # token is never cached yet: it is the next forward's input.
+    num_cached: int = 0
+    num_draft_cached: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    # Speculative decoding, per request.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: nothing is cached; prompt and output are recomputed later."""
+        self.num_cached = 0
+        self.num_draft_cached = 0
+        self.block_table = []
+        self.status = Status.WAITING
+        self.num_preemptions += 1

@@ -1,0 +1,49 @@
+"""Batched verification of draft proposals: greedy matching and rejection sampling."""
+from __future__ import annotations
+
+import torch
+
+from worker.sampler import RowParams, exponential_noise
+
+
+def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+           rows: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a prefix of each row's k proposals and add one target token after it.
+
+    draft_tokens [B, k], draft_probs q [B, k, V], target_probs p [B, k+1, V].
+    Greedy rows accept while the proposal is the target's argmax. Sampled rows accept
+    proposal i with probability min(1, p_i(d)/q_i(d)) and, at the first rejection, draw
+    from norm(max(0, p_i - q_i)) (Leviathan et al. 2023, Chen et al. 2023); when all k
+    are accepted the extra token is a bonus drawn from p_{k+1}. The emitted tokens are then
+    distributed exactly as the target's.
+    Returns (num_accepted [B], tokens [B, k+1]); row b emits tokens[b, :num_accepted[b] + 1].
+    """
+    B, k = draft_tokens.shape
+    target_argmax = target_probs.argmax(-1)  # [B, k+1]
+    accept = draft_tokens == target_argmax[:, :k]
+    if not rows.all_greedy:
+        p_d = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
+        q_d = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+        u = torch.stack([torch.rand(k, generator=g, device=draft_tokens.device)
+                         for g in rows.generators])
+        accept = torch.where(rows.greedy[:, None], accept, u * q_d < p_d)
+    num_accepted = accept.int().cumprod(-1).sum(-1)  # [B]
+
+    # The token after the accepted prefix: the target's own choice at that position.
+    idx = num_accepted[:, None, None].expand(-1, 1, target_probs.shape[-1])
+    p_next = target_probs.gather(1, idx)[:, 0]  # [B, V]
+    next_token = target_argmax.gather(1, num_accepted[:, None])[:, 0]
+    if not rows.all_greedy:
+        rejected = num_accepted < k
+        q_next = draft_probs.gather(1, idx.clamp(max=k - 1))[:, 0]
+        residual = (p_next - q_next).clamp(min=0)
+        # p == q leaves no residual mass; then any draw from p is right.
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+        dist = torch.where(rejected[:, None], residual, p_next)
+        noise = exponential_noise(dist.shape[-1], B, rows.generators, dist.device)
+        sampled = (dist / noise).argmax(-1)
+        next_token = torch.where(rows.greedy, next_token, sampled)
+
+    tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
+    tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+    return num_accepted, tokens
