@@ -33,7 +33,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="INFO")
 
 
@@ -43,7 +42,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens, device=args.device, dtype=args.dtype,
         memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed)
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="queued requests beyond this are refused with 503 and Retry-After")
     serve.set_defaults(run=run_serve)
 
+    prof = sub.add_parser("profile", help="load, profile, print the memory ledger, exit")
+    add_engine_flags(prof)
+    prof.add_argument("--json", action="store_true", help="print the ledger JSON of GET /v1/memory")
+    prof.add_argument("--plot", metavar="FILE.png", help="draw the ledger against budget and device total")
+    prof.set_defaults(run=run_profile)
+
     gen = sub.add_parser("generate", help="complete one prompt and print it")
     add_engine_flags(gen)
     gen.add_argument("--prompt", default="def fibonacci(n):\n")
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", dest="request_seed", type=int, default=None)
+    gen.add_argument("--seed", dest="request_seed", type=int, default=None, help="sampling seed")
     gen.set_defaults(run=run_generate)
     return parser
 
@@ -75,6 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     from worker.server import run_server
     return run_server(args)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    import json
+
+    from worker.engine import LLMEngine
+    from worker.ledger import format_table, plot
+
+    engine = LLMEngine(engine_config(args))
+    if args.json:
+        print(json.dumps(engine.memory_report(), indent=2))
+    else:
+        print(format_table(engine.ledger))
+    if args.plot:
+        plot(engine.ledger, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -7,14 +7,19 @@ import random
 import time
 
 import torch
+from tqdm import tqdm
 
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalText
 from worker.device import get_device
 from worker.kv_cache import BlockManager
+from worker.ledger import Ledger, format_table, summary_line
+from worker.memory_setup import plan_memory
 from worker.model_runner import ModelRunner
+from worker.models.llama import CausalLM
 from worker.models.loader import ModelLoadError, load_config, load_model, load_tokenizer
 from worker.outputs import EngineStats, RequestOutput
+from worker.profiler import measure_weights
 from worker.sampler import RowParams, probabilities, sample
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
@@ -37,19 +42,28 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         if config.draft_model:
             check_same_tokenizer(self.tokenizer, load_tokenizer(config.draft_model), config)
-        target = load_model(config.model, self.dtype, self.device.torch_device)
-        draft = load_model(config.draft_model, self.dtype, self.device.torch_device) if config.draft_model else None
-        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
-            raise ModelLoadError(f"draft vocab_size {draft.config.vocab_size} differs from the "
-                                 f"target's {target.config.vocab_size}")
-        config.resolve_lengths(target.config.max_position_embeddings)
-        self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
-        self.num_blocks = config.num_kv_blocks or self._default_num_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks)
+        self.ledger = Ledger.at_start(self.device, config.model, config.draft_model)
+        with tqdm(total=4 if config.draft_model else 3, desc="startup", unit="stage", disable=None) as bar:
+            target = self._load("target", config.model, bar)
+            draft = self._load("draft", config.draft_model, bar) if config.draft_model else None
+            if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+                raise ModelLoadError(f"draft vocab_size {draft.config.vocab_size} differs from the "
+                                     f"target's {target.config.vocab_size}")
+            config.resolve_lengths(target.config.max_position_embeddings)
+            self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
+            bar.set_postfix_str("profiling")
+            self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger)
+            bar.update()
+            bar.set_postfix_str("allocating the KV cache")
+            self.runner.allocate_kv_cache(self.num_blocks)
+            bar.update()
+        log.info(summary_line(self.ledger))
+        log.debug("memory ledger:\n%s", format_table(self.ledger))
         self.blocks = BlockManager(self.num_blocks, config.block_size)
         self.k = config.num_speculative_tokens
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.k)
         self.stats = EngineStats(num_speculative_tokens=self.k)
+        self.ledger.blocks_used = lambda: self.blocks.num_used
         self.eos_token_ids = eos_ids(self.tokenizer, target.config)
         self._seqs: dict[str, Sequence] = {}
         self._text: dict[str, IncrementalText] = {}
@@ -57,10 +71,16 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
 
-    def _default_num_blocks(self) -> int:
-        # Enough for every sequence at max_model_len, at most 2 GiB (the CPU default).
-        enough = self.config.max_num_seqs * self.config.max_blocks_per_seq
-        return max(1, min(enough, (2 << 30) // self.runner.bytes_per_block()))
+    def _load(self, role: str, path: str, bar) -> CausalLM:
+        bar.set_postfix_str(f"loading the {role} model")
+        model, nbytes = measure_weights(self.device, lambda: load_model(path, self.dtype, self.device.torch_device))
+        self.ledger.record("weights", nbytes, model=role)
+        bar.update()
+        return model
+
+    def memory_report(self) -> dict:
+        """The ledger document of docs/ledger.md, with live figures measured now."""
+        return self.ledger.to_dict()
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -1,0 +1,96 @@
+"""Command line of the sidecar: python -m exporter --worker URL [--worker URL ...]."""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import re
+import signal
+import sys
+import threading
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from exporter.collector import ExporterCollector
+from exporter.errors import ErrorLog
+from exporter.sources import SourceUnavailable, open_source
+from exporter.workers import LedgerFetcher
+
+log = logging.getLogger("exporter")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: 67108864, 64MiB, 0.5GiB, 100MB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 67108864, 64MiB, 1GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0: {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m exporter",
+                                description="vramledger sidecar: joins device memory with worker ledgers.")
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="base URL of a worker whose GET /v1/memory is read each scrape (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve /metrics on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=9400, help="port to serve /metrics on; 0 picks a free one")
+    p.add_argument("--backend", choices=("auto", "nvml", "host"), default="auto",
+                   help="device reader: nvml (NVIDIA), host (psutil), auto = nvml when it starts, else host")
+    p.add_argument("--min-process-memory", type=parse_size, default=64 << 20, metavar="SIZE",
+                   help="host reader: list processes holding at least this much (default 64MiB)")
+    p.add_argument("--max-processes", type=_positive_int, default=32, metavar="N",
+                   help="process series per device; smaller foreign ones are summed as pid=\"other\"")
+    p.add_argument("--worker-timeout", type=_positive_float, default=1.0, metavar="SECONDS",
+                   help="timeout of each ledger read (default 1.0)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    errors = ErrorLog()
+    try:
+        source = open_source(args.backend, errors, args.min_process_memory)
+    except SourceUnavailable as e:
+        print(f"exporter: {e}; is the NVIDIA driver installed and the GPU visible? "
+              "(--backend auto falls back to the host reader)", file=sys.stderr)
+        return 1
+    ledgers = LedgerFetcher(args.worker, args.worker_timeout, errors)
+    registry = CollectorRegistry()
+    registry.register(ExporterCollector(source, ledgers, errors, max_processes=args.max_processes))
+    # Startup objects (imports, clients) never die: freezing them keeps full collections, and so
+    # scrape latency spikes, small.
+    gc.freeze()
+    server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
+    host, port = server.server_address[:2]
+    if not args.worker:
+        log.warning("no --worker given: serving device metrics only")
+    log.info("%s reader, %d worker(s); listening on http://%s:%d/metrics",
+             source.name, len(args.worker), host, port)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+    ledgers.close()
+    source.close()
+    return 0

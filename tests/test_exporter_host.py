@@ -1,0 +1,198 @@
+"""The exporter as a real process, in host mode, beside real worker and foreign processes."""
+from __future__ import annotations
+
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+MiB = 1 << 20
+HOLD = ("import sys; b = bytearray(b'\\x01') * (int(sys.argv[1]) << 20); print('ready', flush=True); "
+        "sys.stdin.read()")
+
+
+@pytest.fixture
+def spawn():
+    """Starts real processes; every one is killed when the test ends."""
+    procs: list[subprocess.Popen] = []
+
+    def start(args, **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(args, cwd=ROOT, **kwargs)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe:
+                pipe.close()
+
+
+def read_line(proc: subprocess.Popen, timeout: float = 20) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output from {proc.args} within {timeout}s"
+    return proc.stdout.readline().strip()
+
+
+def start_worker(spawn, *prefix: str, model_mib: int = 64, container_id: str | None = None):
+    args = [*prefix, PY, "tests/ledger_worker.py", "--model-mib", str(model_mib)]
+    if container_id:
+        args += ["--container-id", container_id]
+    proc = spawn(args, stdout=subprocess.PIPE, text=True)
+    line = read_line(proc)
+    assert line.startswith("port "), line
+    return proc, f"http://127.0.0.1:{line.split()[1]}"
+
+
+def start_exporter(spawn, log: Path, *args: str):
+    with log.open("w") as stderr:
+        proc = spawn([PY, "-m", "exporter", "--port", "0", *args], stderr=stderr)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        found = re.search(r"listening on http://[\d.]+:(\d+)/metrics", log.read_text())
+        if found:
+            return proc, int(found.group(1))
+        assert proc.poll() is None, f"exporter exited {proc.returncode}:\n{log.read_text()}"
+        time.sleep(0.05)
+    raise AssertionError(f"exporter not listening after 20s:\n{log.read_text()}")
+
+
+def scrape(port: int) -> list:
+    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    response.raise_for_status()
+    return [s for family in text_string_to_metric_families(response.text) for s in family.samples]
+
+
+def find(samples, name: str, **labels) -> list:
+    return [s for s in samples if s.name == name and labels.items() <= s.labels.items()]
+
+
+def one(samples, name: str, **labels) -> float:
+    found = find(samples, name, **labels)
+    assert len(found) == 1, (name, labels, found)
+    return found[0].value
+
+
+def test_worker_and_foreign_processes(spawn, tmp_path):
+    worker, url = start_worker(spawn)
+    foreign = spawn([PY, "-c", HOLD, "512"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert read_line(foreign) == "ready"
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url)
+
+    samples = scrape(port)
+    [mine] = find(samples, "vramledger_device_process_memory_bytes", pid=str(worker.pid))
+    assert mine.labels == {"device": "host", "uuid": "", "pid": str(worker.pid),
+                           "process": psutil.Process(worker.pid).name(), "owner": "worker", "worker": url}
+    assert mine.value >= 64 * MiB
+    assert one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host") == mine.value
+    [theirs] = find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))
+    assert theirs.labels == {"device": "host", "uuid": "", "pid": str(foreign.pid),
+                             "process": psutil.Process(foreign.pid).name(), "owner": "foreign", "worker": ""}
+    assert theirs.value >= 512 * MiB
+    assert one(samples, "vramledger_device_foreign_memory_bytes", device="host") >= theirs.value
+    assert one(samples, "vramledger_worker_up", worker=url) == 1
+    assert one(samples, "vramledger_exporter_collect_seconds_count") == 1
+    assert one(samples, "vramledger_exporter_errors_total", source="host") == 0
+
+    foreign.kill()
+    foreign.wait(timeout=10)
+    samples = scrape(port)
+    assert find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid)) == []
+    assert len(find(samples, "vramledger_device_process_memory_bytes", pid=str(worker.pid))) == 1
+
+
+def test_memory_held_outside_the_ledger_is_unaccounted(spawn, tmp_path):
+    _, url = start_worker(spawn)
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url)
+    before = scrape(port)
+    httpx.post(f"{url}/test/hold?mib=256", timeout=10).raise_for_status()
+    after = scrape(port)
+
+    def unaccounted(samples):
+        return one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host")
+
+    assert 0.9 * 256 * MiB <= unaccounted(after) - unaccounted(before) <= 1.1 * 256 * MiB
+    assert (one(after, "vramledger_worker_declared_memory_bytes", worker=url)
+            == one(before, "vramledger_worker_declared_memory_bytes", worker=url))
+
+
+def test_killed_worker_is_down_and_the_exporter_keeps_serving(spawn, tmp_path):
+    worker, url = start_worker(spawn)
+    exporter, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url,
+                                    "--worker-timeout", "0.5")
+    assert one(scrape(port), "vramledger_worker_up", worker=url) == 1
+    worker.kill()
+    worker.wait(timeout=10)
+    for _ in range(2):
+        samples = scrape(port)
+        assert one(samples, "vramledger_worker_up", worker=url) == 0
+        assert find(samples, "vramledger_worker_declared_memory_bytes") == []
+        assert find(samples, "vramledger_device_process_memory_bytes", pid=str(worker.pid)) == []
+        assert one(samples, "vramledger_device_memory_total_bytes", device="host") > 0
+    # Down is what worker_up says; it is not also an exporter error (one fault, one alert).
+    assert one(samples, "vramledger_exporter_errors_total", source="worker") == 0
+    assert exporter.poll() is None
+
+
+def own_container_id() -> str | None:
+    """The longest path component of this process's cgroups: what a container id looks like here."""
+    parts = re.split(r"[/:\n.]", Path("/proc/self/cgroup").read_text())
+    return max((p for p in parts if len(p) >= 12), key=len, default=None)
+
+
+def can_unshare() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not can_unshare() or own_container_id() is None,
+                    reason="needs a new pid namespace (root, unshare) and a container id in its cgroup")
+def test_worker_in_its_own_pid_namespace_is_matched_through_nspid(spawn, tmp_path):
+    # A real pid namespace: the worker believes it is pid 1; only NSpid and its cgroup give it away.
+    wrapper, url = start_worker(spawn, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+                                container_id=own_container_id())
+    [worker] = psutil.Process(wrapper.pid).children()
+    assert httpx.get(f"{url}/v1/memory", timeout=10).json()["worker"]["pid"] == 1
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url)
+    samples = scrape(port)
+    [mine] = find(samples, "vramledger_device_process_memory_bytes", owner="worker")
+    assert (mine.labels["pid"], mine.labels["worker"]) == (str(worker.pid), url)
+    assert one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host") == mine.value
+
+
+def nvml_works() -> bool:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means no NVML here
+        return False
+
+
+@pytest.mark.skipif(nvml_works(), reason="this machine has a working NVML")
+def test_backend_nvml_without_nvml_exits_with_a_message():
+    done = subprocess.run([PY, "-m", "exporter", "--backend", "nvml", "--port", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "NVML unavailable" in done.stderr and "--backend auto" in done.stderr
+
+
+@pytest.mark.skipif(nvml_works(), reason="this machine has a working NVML")
+def test_backend_auto_without_nvml_falls_back_to_the_host(spawn, tmp_path):
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "auto")
+    assert "falling back to the host reader" in (tmp_path / "exporter.log").read_text()
+    assert one(scrape(port), "vramledger_device_memory_total_bytes", device="host", uuid="") > 0

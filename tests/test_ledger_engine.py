@@ -1,0 +1,86 @@
+"""The ledger as the engine builds it: every model counted, the KV cache sized from the rest."""
+import gc
+import json
+import re
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from random_models import make_checkpoint
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.profiler import module_tensor_bytes
+
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tmp_path_factory):
+    """A target and a draft wide enough that the draft's weights and KV share are visible."""
+    root = tmp_path_factory.mktemp("wide")
+    kw = dict(hidden=256, heads=4, kv_heads=4)
+    return (str(make_checkpoint(root / "t", "llama", layers=2, seed=0, **kw)),
+            str(make_checkpoint(root / "d", "llama", layers=2, seed=1, **kw)))
+
+
+def build(target, draft, utilization):
+    return LLMEngine(EngineConfig(model=target, draft_model=draft, max_model_len=512, max_num_seqs=512,
+                                  memory_utilization=utilization))
+
+
+def test_draft_weights_are_their_own_entry_and_leave_the_kv_budget(wide_pair):
+    target, draft = wide_pair
+    total = psutil.virtual_memory().total
+    utilization = (psutil.Process().memory_info().rss + 1.5 * GiB) / total
+    plans = {}
+    for name, d in (("without", None), ("with", draft)):
+        engine = build(target, d, utilization)
+        ledger = engine.ledger
+        plans[name] = dict(non_kv=ledger.non_kv_bytes, budget=ledger.budget_bytes, blocks=engine.num_blocks,
+                           per_block=engine.runner.bytes_per_block(),
+                           draft_share=engine.runner.bytes_per_block("draft") if d else 0,
+                           draft_weights=ledger.bytes_of("weights", "draft"),
+                           draft_params=module_tensor_bytes(engine.runner.models["draft"]) if d else 0)
+        # The whole budget is used: everything before the KV cache, then whole blocks.
+        assert plans[name]["non_kv"] + ledger.bytes_of("kv_cache") <= plans[name]["budget"]
+        assert plans[name]["budget"] - plans[name]["non_kv"] - ledger.bytes_of("kv_cache") < plans[name]["per_block"]
+        del engine, ledger
+        gc.collect()
+    w, wo = plans["with"], plans["without"]
+    assert wo["draft_weights"] == 0
+    assert w["draft_weights"] == w["draft_params"] > 0
+    assert w["non_kv"] - wo["non_kv"] >= w["draft_weights"] * 0.9  # the draft's weights come off the KV budget
+    assert w["per_block"] == wo["per_block"] + w["draft_share"]  # and each block carries the draft's layers
+    assert w["blocks"] == (w["budget"] - w["non_kv"]) // (wo["per_block"] + w["draft_share"])
+    assert w["blocks"] < wo["blocks"] * wo["per_block"] / w["per_block"]
+
+
+def profile(*flags, checkpoints):
+    cmd = [sys.executable, "-m", "worker", "profile", "--model", checkpoints["llama"],
+           "--draft-model", checkpoints["llama-draft"], "--max-model-len", "256", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_profile_prints_table_json_and_plot(checkpoints, tmp_path):
+    table = profile("--plot", str(tmp_path / "ledger.png"), checkpoints=checkpoints)
+    assert table.returncode == 0, table.stderr
+    for needle in ("runtime", "weights", "target", "draft", "activation_peak", "non_torch", "kv_cache",
+                   "KV capacity", "maximum concurrency"):
+        assert needle in table.stdout
+    assert (tmp_path / "ledger.png").stat().st_size > 1000
+    doc = json.loads(profile("--json", checkpoints=checkpoints).stdout)
+    assert {(e["component"], e["model"]) for e in doc["entries"]} >= {("weights", "target"), ("weights", "draft")}
+    assert doc["declared_bytes"] == sum(e["bytes"] for e in doc["entries"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--memory-utilization", "0.001"], "below the .* the worker holds before any KV cache.*--memory-utilization"),
+    (["--kv-cache-memory", "64KiB"], "cannot hold one sequence of --max-model-len 256.*largest --max-model-len that fits is"),
+    (["--memory-utilization", "1.0"], "Free memory on cpu.*less than --memory-utilization 1.*pid"),
+])
+def test_impossible_settings_exit_with_the_setting_to_change(checkpoints, flags, message):
+    result = profile(*flags, checkpoints=checkpoints)
+    assert result.returncode != 0
+    assert re.search(message, result.stderr, re.DOTALL), result.stderr

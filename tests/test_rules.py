@@ -1,0 +1,186 @@
+"""Prometheus config, alert and recording rules: promtool clean, every alert tested and documented."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from dashboard_queries import ROOT, known_series, metric_names
+
+PROM = ROOT / "prometheus"
+RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
+TEST_FILES = sorted((PROM / "tests").glob("*.yml"))
+RUNBOOKS = ROOT / "docs" / "runbooks"
+
+ALERTS = {
+    "VramledgerForeignMemoryOnDevice",
+    "VramledgerUnaccountedMemoryHigh",
+    "VramledgerKVCacheNearlyFull",
+    "VramledgerDeviceMemoryNearlyFull",
+    "VramledgerWorkerDown",
+    "VramledgerSpecDecodeAcceptanceLow",
+    "VramledgerPreemptionsHigh",
+    "VramledgerExporterErrors",
+}
+RECORDINGS = {
+    "vramledger:spec_decode_acceptance_rate:rate5m",
+    "vramledger:spec_decode_mean_acceptance_length:rate5m",
+}
+RUNBOOK_SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation")
+
+
+def _rules(kind: str) -> dict[str, dict]:
+    found = {}
+    for path in RULE_FILES:
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            for rule in group["rules"]:
+                if kind in rule:
+                    assert rule[kind] not in found, f"{rule[kind]} defined twice"
+                    found[rule[kind]] = rule
+    return found
+
+
+ALERT_RULES = _rules("alert")
+RECORDING_RULES = _rules("record")
+
+
+def _duration_s(text: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    parts = re.findall(r"(\d+)(ms|s|m|h|d)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"bad duration {text!r}"
+    return sum(int(n) * units[u] for n, u in parts)
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool not found: run `make system-deps` (installs Debian's `prometheus` package, "
+                    "which brings promtool)")
+    return path
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+# ---------------------------------------------------------------- promtool
+def test_promtool_check_rules_clean():
+    promtool = _promtool()
+    assert RULE_FILES, "no rule files in prometheus/rules"
+    out = _run([promtool, "check", "rules", *map(str, RULE_FILES)])
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "WARNING" not in text.upper(), text
+
+
+def test_promtool_unit_tests_pass():
+    promtool = _promtool()
+    assert TEST_FILES, "no promtool test files in prometheus/tests"
+    out = _run([promtool, "test", "rules", *map(str, TEST_FILES)])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_promtool_check_config():
+    promtool = _promtool()
+    out = _run([promtool, "check", "config", str(PROM / "prometheus.yml")])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_prometheus_config_loads_every_rule_file_and_scrapes_both_jobs():
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    loaded = {p for pattern in config["rule_files"] for p in (PROM).glob(pattern)}
+    assert set(RULE_FILES) <= loaded, "prometheus.yml does not load every file in prometheus/rules"
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert {"vramledger-worker", "vramledger-exporter"} <= set(jobs)
+    targets = lambda job: [t for sc in jobs[job]["static_configs"] for t in sc["targets"]]  # noqa: E731
+    assert targets("vramledger-worker") == ["worker:8000"]
+    assert targets("vramledger-exporter") == ["exporter:9400"]
+
+
+# ---------------------------------------------------------------- alerts
+def test_exactly_the_documented_alerts_exist():
+    assert set(ALERT_RULES) == ALERTS
+
+
+def test_recording_rules_exist():
+    assert RECORDINGS <= set(RECORDING_RULES)
+    length = RECORDING_RULES["vramledger:spec_decode_mean_acceptance_length:rate5m"]["expr"]
+    assert re.match(r"\s*1\s*\+", length), "mean acceptance length is 1 + accepted / drafts"
+    assert {"vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_drafts_total"} == \
+        metric_names(length)
+    rate = RECORDING_RULES["vramledger:spec_decode_acceptance_rate:rate5m"]["expr"]
+    assert {"vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_draft_tokens_total"} == \
+        metric_names(rate)
+
+
+@pytest.mark.parametrize("name", sorted(ALERTS))
+def test_alert_metadata_and_runbook(name):
+    rule = ALERT_RULES[name]
+    assert rule.get("labels", {}).get("severity") in ("warning", "critical"), f"{name}: severity label"
+    annotations = rule.get("annotations", {})
+    for key in ("summary", "description", "runbook_url"):
+        assert str(annotations.get(key, "")).strip(), f"{name}: annotation {key} missing"
+    assert annotations["runbook_url"].endswith(f"docs/runbooks/{name}.md"), annotations["runbook_url"]
+    if "for" in rule:
+        assert 60 <= _duration_s(rule["for"]) <= 15 * 60, f"{name}: for {rule['for']} outside 1m..15m"
+
+    runbook = RUNBOOKS / f"{name}.md"
+    assert runbook.is_file(), f"missing runbook {runbook}"
+    text = runbook.read_text()
+    headings = re.findall(r"^##\s+(.+?)\s*$", text, re.M)
+    for section in RUNBOOK_SECTIONS:
+        assert section in headings, f"{runbook.name}: section '## {section}' missing"
+        body = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+        assert len(body.strip()) > 40, f"{runbook.name}: section {section} is empty"
+    diagnosis = text.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
+    assert "```" in diagnosis, f"{runbook.name}: Diagnosis needs concrete queries or commands"
+
+
+def test_no_orphan_runbooks():
+    assert {p.stem for p in RUNBOOKS.glob("*.md")} <= ALERTS
+
+
+def test_rules_use_only_known_metrics():
+    known = known_series()
+    for name, rule in {**ALERT_RULES, **RECORDING_RULES}.items():
+        unknown = metric_names(rule["expr"]) - known
+        assert not unknown, f"{name} uses metrics nobody publishes: {sorted(unknown)}"
+
+
+# ---------------------------------------------------------------- promtool test coverage
+def _alert_cases() -> dict[str, dict[str, int]]:
+    cases = {name: {"fires": 0, "quiet": 0} for name in ALERT_RULES}
+    for path in TEST_FILES:
+        for test in yaml.safe_load(path.read_text()).get("tests", []):
+            for case in test.get("alert_rule_test", []) or []:
+                name = case["alertname"]
+                assert name in cases, f"{path.name}: test for unknown alert {name}"
+                cases[name]["fires" if case.get("exp_alerts") else "quiet"] += 1
+    return cases
+
+
+@pytest.mark.parametrize("name", sorted(ALERTS))
+def test_alert_has_firing_and_quiet_promtool_case(name):
+    cases = _alert_cases()[name]
+    assert cases["fires"] >= 1, f"{name}: no promtool case where it fires"
+    assert cases["quiet"] >= 1, f"{name}: no promtool case where it does not fire"
+
+
+def test_promtool_tests_load_every_rule_file():
+    loaded = set()
+    for path in TEST_FILES:
+        for rel in yaml.safe_load(path.read_text()).get("rule_files", []):
+            loaded.add((path.parent / rel).resolve())
+    assert {p.resolve() for p in RULE_FILES} <= loaded
+
+
+def test_recording_rules_have_promtool_cases():
+    tested = set()
+    for path in TEST_FILES:
+        for test in yaml.safe_load(path.read_text()).get("tests", []):
+            for case in test.get("promql_expr_test", []) or []:
+                tested |= metric_names(case["expr"])
+    assert RECORDINGS <= tested

@@ -1,0 +1,373 @@
+"""The few memory primitives the worker needs, for CUDA and the CPU behind one interface."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+import platform
+import re
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# On the CPU every process holds some memory; only the ones big enough to matter are listed.
+CPU_PROCESS_MIN_BYTES = 64 * MiB
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """Memory one process holds on the device; bytes is None when the device cannot say."""
+
+    pid: int
+    name: str
+    bytes: int | None
+
+
+class Device:
+    """One compute device and its memory counters."""
+
+    kind: str
+    index: int
+    torch_device: torch.device
+    uuid: str | None
+    name: str
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.index} ({self.name})"
+
+    def total_bytes(self) -> int: raise NotImplementedError
+    def free_bytes(self) -> int: raise NotImplementedError
+    def process_bytes(self) -> int: raise NotImplementedError
+    def process_peak_bytes(self) -> int: raise NotImplementedError
+    def other_processes(self) -> list[ProcessMemory]: raise NotImplementedError
+    def torch_allocated_bytes(self) -> int: raise NotImplementedError
+    def torch_reserved_bytes(self) -> int: raise NotImplementedError
+    def torch_peak_allocated_bytes(self) -> int: raise NotImplementedError
+    def reset_peak(self) -> bool: raise NotImplementedError  # False: the peak could not be reset
+    def synchronize(self) -> None: raise NotImplementedError
+    def empty_cache(self) -> None: raise NotImplementedError
+
+
+def get_device(spec: str = "auto") -> Device:
+    """Return the device for "auto", "cpu", "cuda" or "cuda:N"."""
+    text = str(spec).strip().lower()
+    if text == "auto":
+        return CudaDevice(0) if torch.cuda.is_available() else CpuDevice()
+    if text == "cpu":
+        return CpuDevice()
+    match = re.fullmatch(r"cuda(?::(\d+))?", text)
+    if match is None:
+        raise ValueError(f"invalid device {spec!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} requested, but CUDA is not available "
+                         f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
+                         f"use --device cpu or auto")
+    index = int(match.group(1) or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"device {spec!r} requested, but only {count} CUDA device(s) are visible "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return CudaDevice(index)
+
+
+class CpuDevice(Device):
+    """The host: memory is the process RSS, the peak is the kernel's VmHWM."""
+
+    def __init__(self):
+        self.kind, self.index, self.uuid = "cpu", 0, None
+        self.torch_device = torch.device("cpu")
+        self.name = _cpu_model_name()
+        self.dtype = torch.float32
+        self._process = psutil.Process()
+        self._warned_no_reset = False
+
+    def total_bytes(self) -> int:
+        return psutil.virtual_memory().total
+
+    def free_bytes(self) -> int:
+        # "available" counts reclaimable page cache as free, as the kernel does when we allocate.
+        return psutil.virtual_memory().available
+
+    def process_bytes(self) -> int:
+        return self._process.memory_info().rss
+
+    def process_peak_bytes(self) -> int:
+        return _proc_status_bytes("VmHWM") or self.process_bytes()
+
+    def other_processes(self) -> list[ProcessMemory]:
+        found = []
+        for proc in psutil.process_iter(["pid", "name", "memory_info"]):
+            info = proc.info
+            if info["pid"] == self._process.pid or info["memory_info"] is None:
+                continue
+            if info["memory_info"].rss >= CPU_PROCESS_MIN_BYTES:
+                found.append(ProcessMemory(info["pid"], info["name"] or "?", info["memory_info"].rss))
+        return sorted(found, key=lambda p: -(p.bytes or 0))
+
+    # Tensors live in ordinary process memory: torch has no separate counters on the CPU.
+    def torch_allocated_bytes(self) -> int: return 0
+    def torch_reserved_bytes(self) -> int: return 0
+    def torch_peak_allocated_bytes(self) -> int: return 0
+
+    def reset_peak(self) -> bool:
+        # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError as e:
+            if not self._warned_no_reset:
+                log.warning("cannot reset the RSS high-water mark (/proc/self/clear_refs: %s); "
+                            "peaks are sampled instead", e)
+                self._warned_no_reset = True
+            return False
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        # Freed small blocks stay in malloc's arenas and in RSS until trimmed.
+        gc.collect()
+        if _libc is not None and hasattr(_libc, "malloc_trim"):
+            _libc.malloc_trim(0)
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _proc_status_field(field: str) -> str | None:
+    """One field of /proc/self/status, None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    value = _proc_status_field(field)  # "1692 kB"
+    return int(value.split()[0]) * 1024 if value else None
+
+
+# PROC_PID_INIT_INO: the inode of the host's (initial) pid namespace, fixed in the kernel.
+HOST_PID_NAMESPACE = "pid:[4026531836]"
+
+
+def in_host_pid_namespace() -> bool:
+    try:
+        return os.readlink("/proc/self/ns/pid") == HOST_PID_NAMESPACE
+    except OSError:
+        return False
+
+
+def host_pid() -> int | None:
+    """Our pid as the host sees it (NVML reports host pids), None where it is not visible."""
+    if in_host_pid_namespace():
+        return os.getpid()
+    # NSpid lists our pid from the outermost namespace /proc can see to our own.
+    nspid = (_proc_status_field("NSpid") or "").split()
+    return int(nspid[0]) if len(nspid) > 1 else None
+
+
+def _load_libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+_libc = _load_libc()
+
+
+class CudaDevice(Device):
+    """An NVIDIA GPU: process memory from NVML for our own pid, tensors from torch's allocator."""
+
+    def __init__(self, index: int, nvml=None):
+        props = torch.cuda.get_device_properties(index)
+        self.kind, self.index, self.name = "cuda", index, props.name
+        self.torch_device = torch.device("cuda", index)
+        # bf16 is native from Ampere (sm_80) on; earlier GPUs only emulate it, slowly.
+        self.dtype = torch.bfloat16 if props.major >= 8 else torch.float16
+        torch.cuda.mem_get_info(index)  # creates the CUDA context now, so "runtime" includes it
+        self._own_pids = {os.getpid(), host_pid()} - {None}
+        self._warned: set[str] = set()
+        self._nvml = _init_nvml(nvml)
+        self._handle = self._find_handle(props) if self._nvml else None
+        self.uuid = self._nvml_uuid() or _torch_uuids(props)[0]
+
+    def total_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.index)[1]
+
+    def free_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.index)[0]
+
+    def process_bytes(self) -> int:
+        procs = self._nvml_processes()
+        mine = [p for p in procs or [] if p.pid in self._own_pids]
+        if mine and all(p.usedGpuMemory is not None for p in mine):
+            return sum(p.usedGpuMemory for p in mine)
+        if procs is None:
+            reason = "NVML cannot list this GPU's processes"
+        elif not mine:
+            reason = f"NVML does not list our pid {sorted(self._own_pids)} (another pid namespace?)"
+        else:
+            reason = "NVML does not report per-process memory on this GPU"
+        return self._estimated_process_bytes(procs or [], reason)
+
+    def process_peak_bytes(self) -> int:
+        return self.process_bytes()
+
+    def other_processes(self) -> list[ProcessMemory]:
+        others = [p for p in self._nvml_processes() or [] if p.pid not in self._own_pids]
+        found = [ProcessMemory(p.pid, self._process_name(p.pid), p.usedGpuMemory) for p in others]
+        return sorted(found, key=lambda p: -(p.bytes or 0))
+
+    def torch_allocated_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.index)
+
+    def torch_reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.index)
+
+    def torch_peak_allocated_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.index)
+
+    def reset_peak(self) -> bool:
+        torch.cuda.reset_peak_memory_stats(self.index)
+        return True
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def empty_cache(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # --- NVML ---
+    def _find_handle(self, props):
+        """The NVML handle of torch's device `index`: by UUID, else PCI bus id, else CUDA_VISIBLE_DEVICES."""
+        nvml = self._nvml
+        for uuid in filter(None, _torch_uuids(props)):
+            try:
+                return nvml.nvmlDeviceGetHandleByUUID(uuid)
+            except Exception:
+                pass
+        if getattr(props, "pci_bus_id", None) is not None:
+            bus_id = "%08X:%02X:%02X.0" % (getattr(props, "pci_domain_id", 0) or 0, props.pci_bus_id,
+                                          getattr(props, "pci_device_id", 0) or 0)
+            try:
+                return nvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+            except Exception:
+                pass
+        try:
+            return _handle_from_visible_devices(nvml, self.index)
+        except Exception as e:
+            self._warn_once("handle", "cannot map cuda:%d to an NVML device (%s); "
+                            "process memory will be estimated", self.index, e)
+            return None
+
+    def _nvml_uuid(self) -> str | None:
+        try:
+            return _text(self._nvml.nvmlDeviceGetUUID(self._handle)) if self._handle else None
+        except Exception:
+            return None
+
+    def _nvml_processes(self) -> list | None:
+        """Compute and graphics processes on our GPU, one per pid; None when NVML cannot say."""
+        if self._handle is None:
+            return None
+        try:
+            procs = list(self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle))
+        except Exception as e:
+            self._warn_once("procs", "NVML cannot list processes on cuda:%d: %s", self.index, e)
+            return None
+        try:  # a display server holds memory too; a process may be in both lists
+            procs += self._nvml.nvmlDeviceGetGraphicsRunningProcesses(self._handle)
+        except Exception:
+            pass
+        return list({p.pid: p for p in reversed(procs)}.values())
+
+    def _process_name(self, pid: int) -> str:
+        try:
+            return os.path.basename(_text(self._nvml.nvmlSystemGetProcessName(pid))) or "?"
+        except Exception:
+            pass
+        try:  # NVML reports host pids: only trust psutil for pids of our own namespace
+            return psutil.Process(pid).name() if in_host_pid_namespace() else "?"
+        except Exception:
+            return "?"
+
+    def _estimated_process_bytes(self, procs: list, reason: str) -> int:
+        # Device used memory minus what NVML attributes to others: includes memory of
+        # processes NVML cannot attribute (the neighbour problem this worker exists to avoid).
+        self._warn_once("estimate", "%s; process memory on cuda:%d is estimated from cudaMemGetInfo "
+                        "(device used minus attributed processes) and may include other processes",
+                        reason, self.index)
+        free, total = torch.cuda.mem_get_info(self.index)
+        others = sum(p.usedGpuMemory or 0 for p in procs if p.pid not in self._own_pids)
+        return max(self.torch_reserved_bytes(), total - free - others)
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+
+def _init_nvml(nvml):
+    """The pynvml module, initialised; None (logged) where NVML is not available."""
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+        return nvml
+    except Exception as e:
+        log.warning("NVML is not available (%s); process memory will be estimated from cudaMemGetInfo", e)
+        return None
+
+
+def _torch_uuids(props) -> list[str | None]:
+    """NVML spellings of torch's device UUID (torch drops the GPU-/MIG- prefix)."""
+    uuid = str(getattr(props, "uuid", "") or "")
+    if not uuid:
+        return [None]
+    return [uuid] if uuid.startswith(("GPU-", "MIG-")) else ["GPU-" + uuid, "MIG-" + uuid]
+
+
+def _handle_from_visible_devices(nvml, index: int):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return nvml.nvmlDeviceGetHandleByIndex(index)
+    entries = [e.strip() for e in visible.split(",")]
+    if index >= len(entries):
+        raise LookupError(f"CUDA_VISIBLE_DEVICES={visible!r} has no entry {index}")
+    entry = entries[index]
+    if entry.startswith(("GPU-", "MIG-")):  # CUDA accepts unique UUID prefixes
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        matches = [h for h in handles if _text(nvml.nvmlDeviceGetUUID(h)).startswith(entry)]
+        if len(matches) != 1:
+            raise LookupError(f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} NVML devices")
+        return matches[0]
+    if os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        # CUDA's default order (fastest first) can differ from NVML's PCI order.
+        log.warning("mapping cuda:%d to NVML index %s assumes CUDA_DEVICE_ORDER=PCI_BUS_ID", index, entry)
+    return nvml.nvmlDeviceGetHandleByIndex(int(entry))
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,243 @@
+"""The memory ledger: every byte the worker holds, by owner, as served by GET /v1/memory."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from worker.device import Device, ProcessMemory, host_pid
+from worker.memory_plan import blocks_per_sequence
+from worker.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
+
+GiB = 1 << 30
+LEDGER_VERSION = 1
+# Entry order in the document and the table: from the process's start to the KV cache.
+COMPONENTS = ("runtime", "weights", "activation_peak", "non_torch", "cuda_graph", "kv_cache")
+
+
+@dataclass
+class LedgerEntry:
+    """One owner of memory: a component, its model ("" for none) and its bytes."""
+
+    component: str
+    model: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """How the exporter finds this process: pid, host pid, container and host."""
+
+    pid: int
+    host_pid: int | None
+    container_id: str | None
+    hostname: str
+
+    @classmethod
+    def current(cls) -> WorkerIdentity:
+        return cls(os.getpid(), host_pid(), container_id(), socket.gethostname())
+
+
+def container_id() -> str | None:
+    """Our container's id (64 hex digits) from /proc/self/cgroup or mountinfo, None outside one."""
+    return container_id_from(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo"))
+
+
+def container_id_from(cgroup: str, mountinfo: str = "") -> str | None:
+    # docker: /docker/<id>, systemd: docker-<id>.scope, containerd/CRI: cri-containerd-<id>.scope;
+    # with a private cgroup namespace ("0::/") only docker's mounts of /etc/hostname show the id.
+    found = re.findall(r"[0-9a-f]{64}", cgroup) or re.findall(r"/containers/([0-9a-f]{64})/", mountinfo)
+    return found[-1] if found else None  # the container id follows the pod id in kubepods paths
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@dataclass
+class Ledger:
+    """Every byte the worker's process holds on its device, by owner (docs/ledger.md)."""
+
+    device: Device
+    total_bytes: int
+    free_at_start_bytes: int
+    target_model: str
+    draft_model: str | None = None
+    budget_bytes: int = 0
+    utilization: float | None = None
+    kv_cache_memory: int | None = None
+    entries: list[LedgerEntry] = field(default_factory=list)
+    foreign_at_start_bytes: int = 0
+    foreign_at_start_processes: list[ProcessMemory] = field(default_factory=list)
+    block_size: int = 0
+    bytes_per_block: int = 0
+    blocks_total: int = 0
+    blocks_used: int | Callable[[], int] = 0  # the engine may set a callable on its block pool
+    max_model_len: int = 0
+    num_speculative_tokens: int = 0
+    worker: WorkerIdentity = field(default_factory=WorkerIdentity.current)
+
+    @classmethod
+    def at_start(cls, device: Device, target_model: str, draft_model: str | None = None,
+                 snapshot: MemorySnapshot | None = None) -> Ledger:
+        """A ledger opened before any model is loaded, with the runtime entry and foreign memory."""
+        snapshot = snapshot or MemorySnapshot.take(device)
+        ledger = cls(device=device, total_bytes=snapshot.total, free_at_start_bytes=snapshot.free,
+                     target_model=target_model, draft_model=draft_model,
+                     foreign_at_start_bytes=foreign_bytes(snapshot),
+                     foreign_at_start_processes=device.other_processes())
+        ledger.record("runtime", runtime_bytes(snapshot))
+        return ledger
+
+    def record(self, component: str, nbytes: int, model: str = "") -> None:
+        """Set the bytes of (component, model), replacing an earlier measurement."""
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown ledger component {component!r}; expected one of {COMPONENTS}")
+        if nbytes < 0:
+            raise ValueError(f"ledger entry {component}/{model} cannot be negative ({nbytes})")
+        self.entries = [e for e in self.entries if (e.component, e.model) != (component, model)]
+        self.entries.append(LedgerEntry(component, model, int(nbytes)))
+        self.entries.sort(key=lambda e: COMPONENTS.index(e.component))  # stable: models keep order
+
+    def set_kv_cache(self, block_size: int, bytes_per_block: int, blocks_total: int) -> None:
+        """Record the allocated KV cache: blocks_total blocks of block_size tokens."""
+        self.block_size, self.bytes_per_block, self.blocks_total = block_size, bytes_per_block, blocks_total
+        self.record("kv_cache", blocks_total * bytes_per_block)
+
+    def bytes_of(self, component: str, model: str | None = None) -> int:
+        return sum(e.bytes for e in self.entries
+                   if e.component == component and (model is None or e.model == model))
+
+    @property
+    def declared_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries)
+
+    @property
+    def non_kv_bytes(self) -> int:
+        """Everything declared except the KV cache: what the budget must hold before it."""
+        return self.declared_bytes - self.bytes_of("kv_cache")
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks_total * self.block_size
+
+    def max_concurrency(self) -> float | None:
+        """How many max_model_len sequences the KV cache holds at once (None if unknown)."""
+        if not (self.max_model_len and self.block_size):
+            return None
+        per_seq = blocks_per_sequence(self.max_model_len, self.block_size, self.num_speculative_tokens)
+        return self.blocks_total / per_seq
+
+    def current_blocks_used(self) -> int:
+        return int(self.blocks_used() if callable(self.blocks_used) else self.blocks_used)
+
+    def to_dict(self, process_bytes: int | None = None, blocks_used: int | None = None) -> dict:
+        """The ledger document of docs/ledger.md; live values are read now unless given."""
+        process = self.device.process_bytes() if process_bytes is None else int(process_bytes)
+        used = self.current_blocks_used() if blocks_used is None else int(blocks_used)
+        declared = self.declared_bytes
+        w, d = self.worker, self.device
+        return {
+            "version": LEDGER_VERSION,
+            "worker": {"pid": w.pid, "host_pid": w.host_pid, "container_id": w.container_id,
+                       "hostname": w.hostname},
+            "models": {"target": self.target_model, "draft": self.draft_model},
+            "device": {"kind": d.kind, "index": d.index, "uuid": d.uuid, "name": d.name,
+                       "total_bytes": self.total_bytes, "free_at_start_bytes": self.free_at_start_bytes},
+            "budget": {"bytes": self.budget_bytes, "utilization": self.utilization,
+                       "kv_cache_memory": self.kv_cache_memory},
+            "entries": [{"component": e.component, "model": e.model, "bytes": e.bytes}
+                        for e in self.entries],
+            "declared_bytes": declared,
+            "foreign_at_start": {"bytes": self.foreign_at_start_bytes,
+                                 "processes": [{"pid": p.pid, "name": p.name, "bytes": p.bytes}
+                                               for p in self.foreign_at_start_processes]},
+            "kv_cache": {"block_size": self.block_size, "bytes_per_block": self.bytes_per_block,
+                         "blocks_total": self.blocks_total, "blocks_used": used,
+                         "capacity_tokens": self.capacity_tokens},
+            "live": {"process_bytes": process, "declared_bytes": declared,
+                     "unaccounted_bytes": max(0, process - declared), "measured_at": time.time()},
+        }
+
+
+# --- reports ---
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _entry_label(entry: LedgerEntry) -> str:
+    return f"{entry.component}[{entry.model}]" if entry.model else entry.component
+
+
+def format_table(ledger: Ledger) -> str:
+    """The ledger as a text table: component, model, GiB, share of the budget."""
+    budget = ledger.budget_bytes
+
+    def row(component: str, model: str, nbytes: int) -> str:
+        share = f"{100 * nbytes / budget:6.1f}%" if budget else "      -"
+        return f"{component:<16} {model:<8} {_gib(nbytes):>9} {share:>8}"
+
+    d = ledger.device
+    lines = [f"device {d.kind}:{d.index} ({d.name}): {_gib(ledger.total_bytes)} GiB total, "
+             f"{_gib(ledger.free_at_start_bytes)} GiB free at start, "
+             f"{_gib(ledger.foreign_at_start_bytes)} GiB foreign at start",
+             f"{'component':<16} {'model':<8} {'GiB':>9} {'budget':>8}",
+             "-" * 44]
+    lines += [row(e.component, e.model, e.bytes) for e in ledger.entries]
+    lines += ["-" * 44, row("declared", "", ledger.declared_bytes), row("budget", "", budget)]
+    lines.append(f"KV capacity: {ledger.capacity_tokens} tokens "
+                 f"({ledger.blocks_total} blocks x {ledger.block_size} tokens)")
+    concurrency = ledger.max_concurrency()
+    if concurrency is not None:
+        lines.append(f"maximum concurrency at max_model_len {ledger.max_model_len}: {concurrency:.2f}x")
+    return "\n".join(lines)
+
+
+def summary_line(ledger: Ledger) -> str:
+    """The ledger on one line, for the startup log."""
+    parts = ", ".join(f"{_entry_label(e)} {_gib(e.bytes)}" for e in ledger.entries)
+    utilization = "" if ledger.utilization is None else f", utilization {ledger.utilization:g}"
+    return (f"memory ledger ({ledger.device.kind}:{ledger.device.index}, GiB): {parts}; "
+            f"declared {_gib(ledger.declared_bytes)} of budget {_gib(ledger.budget_bytes)}{utilization} "
+            f"(device {_gib(ledger.total_bytes)}, foreign at start {_gib(ledger.foreign_at_start_bytes)}); "
+            f"KV {ledger.blocks_total} blocks = {ledger.capacity_tokens} tokens")
+
+
+def plot(ledger: Ledger, path: str) -> None:
+    """Draw the ledger as one stacked bar beside the budget and the device total (PNG at path)."""
+    # Figure + the Agg canvas directly: no pyplot, no global backend switch, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    bottom = 0.0
+    top = max(ledger.total_bytes, ledger.budget_bytes, ledger.declared_bytes) / GiB
+    for i, entry in enumerate(ledger.entries):
+        height = entry.bytes / GiB
+        ax.bar(0, height, bottom=bottom, color=f"C{i % 10}", edgecolor="white", label=_entry_label(entry))
+        if height > 0.06 * top:  # room for a two-line label inside the segment
+            ax.text(0, bottom + height / 2, f"{_entry_label(entry)}\n{height:.2f}", ha="center",
+                    va="center", fontsize=8, color="white")
+        bottom += height
+    ax.bar(1, ledger.budget_bytes / GiB, color="0.6", label="budget")
+    ax.axhline(ledger.budget_bytes / GiB, color="0.4", linestyle="--", linewidth=0.8)
+    foreign = ledger.foreign_at_start_bytes / GiB
+    ax.bar(2, ledger.total_bytes / GiB, color="0.85", label="device total")
+    ax.bar(2, foreign, color="firebrick", label="foreign at start")
+    for x, value in ((0, bottom), (1, ledger.budget_bytes / GiB), (2, ledger.total_bytes / GiB)):
+        ax.text(x, value, f"{value:.2f} GiB", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks([0, 1, 2], ["declared (ledger)", "budget", f"{ledger.device.kind} total"])
+    ax.set_ylabel("GiB")
+    ax.set_title(f"memory ledger: {ledger.device.name}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, format="png")

@@ -1,0 +1,162 @@
+"""The memory budget, the KV cache size, and the startup checks that explain a plan that cannot work."""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+from decimal import Decimal
+
+from worker.device import Device, ProcessMemory
+
+log = logging.getLogger(__name__)
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+CUDA_DEFAULT_UTILIZATION = 0.9
+# The CPU shares the host with everything else: without a utilization, take a modest KV cache.
+CPU_DEFAULT_KV_BYTES = 2 * GiB
+
+
+class MemoryPlanError(RuntimeError):
+    """The memory settings cannot work on this device; the message says what to change."""
+
+
+def _size(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def blocks_per_sequence(max_model_len: int, block_size: int, num_speculative_tokens: int = 0) -> int:
+    """KV blocks one sequence needs at its longest: verification writes k slots past the end."""
+    return -(-(max_model_len + num_speculative_tokens) // block_size)
+
+
+def max_usable_kv_bytes(max_num_seqs: int, max_model_len: int, block_size: int, bytes_per_block: int,
+                        num_speculative_tokens: int = 0) -> int:
+    """The most KV cache the scheduler can ever fill: max_num_seqs sequences of max_model_len."""
+    per_seq = blocks_per_sequence(max_model_len, block_size, num_speculative_tokens)
+    return max_num_seqs * per_seq * bytes_per_block
+
+
+def budget_bytes(device: Device, utilization: float | None, kv_cache_memory: int | None,
+                 non_kv_bytes: int, max_usable_kv_bytes: int) -> tuple[int, int]:
+    """Return (budget, kv_bytes): the memory the worker may hold and the part left for the KV cache."""
+    if kv_cache_memory is not None:
+        kv = min(kv_cache_memory, max_usable_kv_bytes)
+        return non_kv_bytes + kv, kv
+    if utilization is None and device.kind == "cpu":
+        kv = min(CPU_DEFAULT_KV_BYTES, max_usable_kv_bytes)
+        return non_kv_bytes + kv, kv
+    utilization = CUDA_DEFAULT_UTILIZATION if utilization is None else utilization
+    total = device.total_bytes()
+    budget = int(total * utilization)
+    if budget < non_kv_bytes:
+        raise MemoryPlanError(_below_non_kv_message(device, total, utilization, budget, non_kv_bytes))
+    kv = budget - non_kv_bytes
+    if kv > max_usable_kv_bytes:
+        log.info("KV cache capped at %s: max_num_seqs x max_model_len cannot use more "
+                 "(%s of the budget stays unused)", _size(max_usable_kv_bytes),
+                 _size(kv - max_usable_kv_bytes))
+    return budget, min(kv, max_usable_kv_bytes)
+
+
+def _below_non_kv_message(device: Device, total: int, utilization: float, budget: int, non_kv: int) -> str:
+    needed = math.ceil(non_kv / total * 1000) / 1000
+    message = (f"The memory budget of {_size(budget)} (--memory-utilization {utilization:g} x {_size(total)} "
+               f"on {device}) is {_size(non_kv - budget)} below the {_size(non_kv)} the worker holds before "
+               f"any KV cache (runtime, weights of every model, activation peak, non-torch memory, "
+               f"CUDA graphs). ")
+    if needed > 1:
+        return message + ("Even --memory-utilization 1.0 cannot hold it: use smaller models, a lower "
+                          "--max-num-seqs / --max-num-batched-tokens (smaller activation peak), "
+                          "or a larger device.")
+    return message + (f"Raise --memory-utilization by at least {needed - utilization:.3f} to {needed:.3f} "
+                      f"(more, to leave room for the KV cache), or size the KV cache with --kv-cache-memory.")
+
+
+def check_free_memory(device: Device, budget: int, utilization: float | None,
+                      foreign_processes: list[ProcessMemory], free_bytes: int | None = None,
+                      own_bytes: int = 0) -> None:
+    """Raise MemoryPlanError when the device's free memory (at start) cannot hold the budget.
+
+    free_bytes: free memory at start (default: now); own_bytes: memory this process already
+    held then (the runtime), which the budget includes.
+    """
+    free = device.free_bytes() if free_bytes is None else free_bytes
+    available = free + own_bytes
+    if available >= budget:
+        return
+    total = device.total_bytes()
+    held = f" (+ {_size(own_bytes)} this process already holds)" if own_bytes else ""
+    if utilization is not None:
+        requested = f"--memory-utilization {utilization:g} ({_size(budget)} of {_size(total)})"
+        fix = f"Lower --memory-utilization to at most {math.floor(available / total * 100) / 100:.2f}"
+    else:
+        requested = f"the budget of {_size(budget)} (memory before the KV cache + the KV cache)"
+        fix = f"Lower --kv-cache-memory by at least {_size(budget - available)}"
+    others = "; ".join(f"pid {p.pid} ({p.name}) {'?' if p.bytes is None else _size(p.bytes)}"
+                       for p in foreign_processes)
+    holders = (f"Other processes hold memory on this device: {others}." if others else
+               "No other process is visible (they may run in another container or pid namespace).")
+    raise MemoryPlanError(f"Free memory on {device} at start is {_size(free)} of {_size(total)}{held}, "
+                          f"less than {requested}. {holders} {fix}, or stop the other processes, "
+                          f"or use another device.")
+
+
+def plan_kv_blocks(kv_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int,
+                   num_speculative_tokens: int = 0) -> int:
+    """Return how many KV blocks kv_bytes holds; raise MemoryPlanError if not one full sequence."""
+    if bytes_per_block <= 0 or block_size <= 0 or max_model_len <= 0:
+        raise ValueError("bytes_per_block, block_size and max_model_len must be positive")
+    k = num_speculative_tokens
+    per_seq = blocks_per_sequence(max_model_len, block_size, k)
+    if kv_bytes <= 0:
+        raise MemoryPlanError(
+            f"No memory is left for the KV cache: the budget is {_size(-kv_bytes)} below the memory the "
+            f"worker holds before it. Raise --memory-utilization, or set --kv-cache-memory to at least "
+            f"{_size(per_seq * bytes_per_block)} (one sequence of --max-model-len {max_model_len}).")
+    num_blocks = kv_bytes // bytes_per_block
+    if num_blocks >= per_seq:
+        return num_blocks
+    lookahead = f" plus {k} speculative lookahead slots" if k else ""
+    message = (f"The KV cache ({_size(kv_bytes)} = {num_blocks} blocks of {block_size} tokens, "
+               f"{_size(bytes_per_block)} each) cannot hold one sequence of --max-model-len {max_model_len}"
+               f"{lookahead} ({per_seq} blocks). ")
+    largest = num_blocks * block_size - k
+    if largest >= 1:
+        message += (f"The largest --max-model-len that fits is {largest}: lower --max-model-len to at most "
+                    f"{largest}, or ")
+    else:
+        message += "Not even a one-token sequence fits: "
+    message += (f"give the KV cache at least {_size((per_seq - num_blocks) * bytes_per_block)} more "
+                f"(raise --memory-utilization or --kv-cache-memory)")
+    if k and num_blocks * block_size >= max_model_len:
+        message += f", or lower --num-speculative-tokens to at most {num_blocks * block_size - max_model_len}"
+    raise MemoryPlanError(message + ".")
+
+
+class SizeError(ValueError, argparse.ArgumentTypeError):
+    """A size that cannot be parsed; argparse shows its message as is."""
+
+
+# IEC (KiB, Ki, bare K) are powers of 1024, SI with B (KB) powers of 1000, as memory tools spell them.
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    _UNITS.update({_p: 1024 ** _i, _p + "i": 1024 ** _i, _p + "ib": 1024 ** _i, _p + "b": 1000 ** _i})
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5G", "100MB" or "1073741824"."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise SizeError(f"size must not be negative: {text}")
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if unit is None:
+        raise SizeError(f"invalid size {text!r}: use a number of bytes or a number with a unit, "
+                        f"e.g. 1073741824, 512MiB, 2GiB, 1.5G (K/M/G/T and KiB.. are powers of 1024, "
+                        f"KB/MB/GB/TB powers of 1000)")
+    value = Decimal(match.group(1)) * unit
+    if unit == 1 and value != value.to_integral_value():
+        raise SizeError(f"invalid size {text!r}: a number of bytes must be whole")
+    return int(value)

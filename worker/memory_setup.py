@@ -1,0 +1,50 @@
+"""From measured memory to a KV cache size: profile, budget, check, record."""
+from __future__ import annotations
+
+from worker.config import EngineConfig
+from worker.device import Device
+from worker.ledger import Ledger
+from worker.memory_plan import (CUDA_DEFAULT_UTILIZATION, budget_bytes, check_free_memory,
+                                max_usable_kv_bytes, plan_kv_blocks)
+from worker.model_runner import ModelRunner
+from worker.profile_run import profile_blocks, run_worst_case
+from worker.profiler import MemorySnapshot, profile_window
+
+
+def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledger: Ledger) -> int:
+    """Measure the worst step, size the KV cache from the budget, and return its block count."""
+    c, k = config, config.num_speculative_tokens
+    utilization = c.memory_utilization
+    if utilization is None and device.kind == "cuda" and c.kv_cache_memory is None:
+        utilization = CUDA_DEFAULT_UTILIZATION
+    ledger.utilization, ledger.kv_cache_memory = utilization, c.kv_cache_memory
+    ledger.max_model_len, ledger.num_speculative_tokens = c.max_model_len, k
+
+    # The profile run writes into a scratch cache allocated outside the window: not activations.
+    runner.allocate_kv_cache(profile_blocks(c))
+    with profile_window(device) as window:
+        run_worst_case(runner, c)
+    runner.kv.clear()
+    device.empty_cache()
+    ledger.record("activation_peak", window.activation_peak_bytes)
+    # Non-torch is everything the process gained since start that torch does not explain:
+    # the profile run's lasting growth, and what imports and loaders left behind.
+    now = MemorySnapshot.take(device)
+    explained = max(now.torch_reserved, ledger.bytes_of("weights"))
+    since_start = now.process - ledger.bytes_of("runtime") - explained
+    ledger.record("non_torch", max(window.non_torch_bytes, since_start))
+    ledger.record("cuda_graph", 0)  # graphs are not captured (yet): eager execution
+
+    per_block = runner.bytes_per_block()
+    if c.num_kv_blocks is not None:
+        num_blocks = c.num_kv_blocks
+        budget = ledger.non_kv_bytes + num_blocks * per_block
+    else:
+        usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
+        budget, kv = budget_bytes(device, utilization, c.kv_cache_memory, ledger.non_kv_bytes, usable)
+        num_blocks = plan_kv_blocks(kv, per_block, c.block_size, c.max_model_len, k)
+    ledger.budget_bytes = budget
+    check_free_memory(device, budget, utilization, ledger.foreign_at_start_processes,
+                      free_bytes=ledger.free_at_start_bytes, own_bytes=ledger.bytes_of("runtime"))
+    ledger.set_kv_cache(c.block_size, per_block, num_blocks)
+    return num_blocks

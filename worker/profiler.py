@@ -1,0 +1,158 @@
+"""Memory snapshots and measurement windows: what each load, profile run and capture costs."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from worker.device import Device
+
+log = logging.getLogger(__name__)
+
+# The CPU weights check: parameter bytes and the RSS delta of a load may differ this much.
+WEIGHTS_RSS_TOLERANCE = 0.25
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Every memory counter of a device at one moment."""
+
+    timestamp: float
+    total: int
+    free: int
+    process: int
+    process_peak: int
+    torch_allocated: int
+    torch_reserved: int
+    torch_peak: int
+
+    @classmethod
+    def take(cls, device: Device) -> MemorySnapshot:
+        device.synchronize()
+        return cls(timestamp=time.time(), total=device.total_bytes(), free=device.free_bytes(),
+                   process=device.process_bytes(), process_peak=device.process_peak_bytes(),
+                   torch_allocated=device.torch_allocated_bytes(),
+                   torch_reserved=device.torch_reserved_bytes(),
+                   torch_peak=device.torch_peak_allocated_bytes())
+
+
+def runtime_bytes(snapshot: MemorySnapshot) -> int:
+    """The "runtime" entry: what the process held before any model was loaded."""
+    return snapshot.process
+
+
+def foreign_bytes(snapshot: MemorySnapshot) -> int:
+    """Memory in use on the device that is not ours: device used minus our process."""
+    return max(0, snapshot.total - snapshot.free - snapshot.process)
+
+
+def module_tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, each shared storage counted once."""
+    storages: dict[tuple, int] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def measure_weights(device: Device, load_fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run load_fn (which returns the model) and return (model, bytes its weights hold)."""
+    if device.kind == "cuda":
+        device.synchronize()
+        before = device.torch_allocated_bytes()
+        model = load_fn()
+        device.synchronize()
+        return model, device.torch_allocated_bytes() - before
+    device.empty_cache()
+    rss_before = device.process_bytes()
+    model = load_fn()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"load_fn must return a torch.nn.Module on the CPU, not {type(model).__name__}")
+    weights = module_tensor_bytes(model)
+    device.empty_cache()  # loader temporaries should not count against the check
+    rss_delta = device.process_bytes() - rss_before
+    # Small models: imports and allocator pools dwarf the weights; only large gaps mean something.
+    if abs(rss_delta - weights) > max(WEIGHTS_RSS_TOLERANCE * weights, 64 << 20):
+        log.warning("weights of %s: parameters and buffers hold %.1f MiB but RSS grew %.1f MiB "
+                    "during the load; the ledger counts the parameters",
+                    type(model).__name__, weights / 2**20, rss_delta / 2**20)
+    return model, weights
+
+
+@dataclass
+class WindowResult:
+    """What a profile window measured; filled when the window closes."""
+
+    activation_peak_bytes: int = 0
+    non_torch_bytes: int = 0
+    start: MemorySnapshot | None = None
+    end: MemorySnapshot | None = None
+
+
+@contextlib.contextmanager
+def profile_window(device: Device) -> Iterator[WindowResult]:
+    """Measure the transient peak (activations) and the lasting non-torch growth of the block."""
+    result = WindowResult()
+    device.empty_cache()
+    peak_was_reset = device.reset_peak()
+    sampler = None if peak_was_reset else PeakSampler(device).start()
+    result.start = MemorySnapshot.take(device)
+    try:
+        yield result
+    finally:
+        if device.kind == "cpu":
+            device.empty_cache()  # freed tensors still in malloc's arenas did not "stay"
+        result.end = end = MemorySnapshot.take(device)
+        start = result.start
+        if device.kind == "cuda":
+            result.activation_peak_bytes = max(0, end.torch_peak - start.torch_allocated)
+            torch_growth = end.torch_reserved - start.torch_reserved
+            result.non_torch_bytes = max(0, end.process - start.process - torch_growth)
+        else:
+            peak = sampler.stop() if sampler else end.process_peak
+            result.non_torch_bytes = max(0, end.process - start.process)  # what stays
+            result.activation_peak_bytes = max(0, peak - start.process - result.non_torch_bytes)
+
+
+def measure_graph_pool(device: Device, capture_fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run capture_fn (CUDA graph capture) and return (its result, bytes the graph pools hold)."""
+    if device.kind != "cuda":
+        return capture_fn(), 0
+    before = MemorySnapshot.take(device)
+    result = capture_fn()
+    after = MemorySnapshot.take(device)
+    # The pools live in torch's reserved memory; instantiated graphs add driver memory beside it.
+    reserved = after.torch_reserved - before.torch_reserved
+    process = after.process - before.process
+    return result, max(0, reserved, process)
+
+
+class PeakSampler:
+    """Polls process memory in a thread: the fallback where the kernel's peak cannot be reset."""
+
+    def __init__(self, device: Device, interval_s: float = 0.001):
+        self.device, self.interval_s = device, interval_s
+        self.peak = device.process_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
+
+    def start(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.device.process_bytes())
+        return self.peak
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.device.process_bytes())
