@@ -18,8 +18,8 @@ setup: $(STAMP)
 system-deps:
 	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 
-run: setup
-	$(PY) -m worker serve
+run: setup system-deps
+	$(PY) scripts/local_stack.py
 
 test: setup system-deps
 	$(PY) -m pytest -q tests

@@ -100,3 +100,26 @@ def test_draft_with_another_tokenizer_is_refused(checkpoints, tmp_path):
     tok.save_pretrained(other)
     with pytest.raises(ModelLoadError, match="tokenizer"):
         engine(checkpoints["llama"], str(other))
+
+
+def test_shipped_pair_speculative_equals_plain_at_batch_1_and_8():
+    texts = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push(self, item):\n",
+             "for i in range(10):\n", "    return ", "def main():\n    parser = argparse.",
+             "x = [", "if __name__ == '__main__':\n"]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    small = dict(max_model_len=256, max_num_seqs=8)
+    plain = LLMEngine(EngineConfig(draft_model=None, **small))
+    spec = LLMEngine(EngineConfig(**small))
+    for batch in (texts[:1], texts):
+        assert [r[0] for r in spec.generate(batch, params)] == [r[0] for r in plain.generate(batch, params)]
+    assert spec.stats.acceptance_rate > 0.2  # the pair was distilled to agree
+
+
+def test_generate_cli_runs_the_shipped_pair_with_no_flags():
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "worker", "generate", "--max-tokens", "16"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def fibonacci(n):")
+    assert "acceptance rate" in result.stderr and "mean acceptance length" in result.stderr

@@ -36,8 +36,8 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     ledger.record("cuda_graph", 0)  # graphs are not captured (yet): eager execution
 
     per_block = runner.bytes_per_block()
-    if c.num_kv_blocks is not None:
-        num_blocks = c.num_kv_blocks
+    if c.num_kv_blocks is not None:  # still checked: fewer blocks than one sequence would hang
+        num_blocks = plan_kv_blocks(c.num_kv_blocks * per_block, per_block, c.block_size, c.max_model_len, k)
         budget = ledger.non_kv_bytes + num_blocks * per_block
     else:
         usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)

@@ -1,0 +1,88 @@
+"""The app factory in-process: loading and failed states, auth on /metrics, a model without a chat template."""
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.models.loader import ModelLoadError
+from worker.server import ServerSettings, create_app
+
+KEY = {"Authorization": "Bearer k"}
+
+
+def small_config(model: str) -> EngineConfig:
+    # A short context keeps the startup profile run quick.
+    return EngineConfig(model=model, draft_model=None, max_model_len=64, max_num_seqs=2,
+                        max_num_batched_tokens=64)
+
+
+def wait_healthy(client: TestClient, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not load"
+        time.sleep(0.05)
+
+
+def test_loading_then_ready_with_metrics_behind_the_key(checkpoints):
+    release = threading.Event()
+
+    def gated_engine(config):
+        release.wait(60)
+        return LLMEngine(config)
+
+    settings = ServerSettings(api_key="k", protect_metrics=True)
+    app = create_app(small_config(checkpoints["llama"]), settings, engine_factory=gated_engine)
+    with TestClient(app) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        models = client.get("/v1/models", headers=KEY)
+        assert models.status_code == 503 and models.headers["retry-after"] == "5"
+        assert models.json()["error"]["code"] == "model_loading"
+        loading_metrics = client.get("/metrics", headers=KEY).text
+        assert "vramledger_requests_running" not in loading_metrics  # nothing read from a loading engine
+        release.set()
+        wait_healthy(client)
+
+        assert client.get("/metrics").status_code == 401
+        assert "vramledger_requests_running 0.0" in client.get("/metrics", headers=KEY).text
+        chat = client.post("/v1/chat/completions", headers=KEY, json={
+            "model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.status_code == 400 and chat.json()["error"]["code"] == "no_chat_template"
+        done = client.post("/v1/completions", headers=KEY, json={"model": "llama", "prompt": "hi", "max_tokens": 3})
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_model_that_fails_to_load_fails_health_and_stops_the_server(checkpoints):
+    def broken_engine(config):
+        raise ModelLoadError("config.json is missing")
+
+    fatal = []
+    app = create_app(small_config(checkpoints["llama"]), ServerSettings(metrics=False),
+                     engine_factory=broken_engine)
+    app.state.engine_loop.on_fatal = fatal.append
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 10
+        while not fatal:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert isinstance(fatal[0], ModelLoadError)
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        refused = client.post("/v1/completions", json={"model": "llama", "prompt": "hi"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
+        assert client.get("/metrics").status_code == 404  # metrics disabled on this app
+
+
+@pytest.mark.parametrize("accept", ["", "text/plain", "application/openmetrics-text; version=1.0.0"])
+def test_metrics_of_several_apps_live_in_their_own_registries(checkpoints, accept):
+    never = threading.Event()
+    apps = [create_app(small_config(checkpoints["llama"]), engine_factory=lambda c: never.wait(60))
+            for _ in range(2)]  # a shared registry would refuse the second app's metrics
+    for app in apps:
+        with TestClient(app) as client:
+            text = client.get("/metrics", headers={"Accept": accept}).text
+            assert text.count("# TYPE vramledger_time_to_first_token_seconds histogram") == 1
+    never.set()

@@ -1,0 +1,106 @@
+"""The whole stack for real: worker, exporter and Prometheus on loopback, every dashboard
+query and rule evaluated by Prometheus, and the foreign-memory alert made to fire."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+import mem_hog
+from dashboard_queries import RULES_DIR, dashboard_queries, metric_names, variable_queries
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from local_stack import LocalStack  # noqa: E402
+
+# Series that only exist on some devices: NVML's v2 memory call (reserved memory).
+MAY_BE_ABSENT = {"vramledger_device_memory_reserved_bytes"}
+GiB = 1 << 30
+# Host mode counts only processes above this floor as foreign: nothing else here is that big.
+FOREIGN_FLOOR_GIB = 4
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoints, tmp_path_factory):
+    s = LocalStack(tmp_path_factory.mktemp("stack"), scrape_interval="1s", rule_for="2s",
+                   exporter_args=["--min-process-memory", f"{FOREIGN_FLOOR_GIB}GiB"], worker_args=[
+        "--model", checkpoints["llama"], "--draft-model", checkpoints["llama-draft"], "--max-model-len", "256"])
+    try:
+        s.start(timeout=180)
+        yield s
+    finally:
+        s.stop()
+
+
+def query(stack, expr: str) -> list:
+    body = httpx.get(stack.url("prometheus") + "/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def send_traffic(stack) -> None:
+    url = stack.url("worker")
+    with httpx.Client(timeout=60) as client:
+        model = client.get(url + "/v1/models").json()["data"][0]["id"]
+        for i in range(6):
+            body = {"model": model, "prompt": f"def f{i}(x):", "max_tokens": 24, "temperature": 0.0 if i % 2 else 0.8,
+                    "stream": i % 3 == 0}
+            r = client.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+
+
+def test_dashboards_and_rules_evaluate_with_data(stack):
+    wait_for(lambda: query(stack, "vramledger_device_foreign_memory_bytes"), 30, "the exporter's first scrape")
+    assert not query(stack, "vramledger_device_foreign_memory_bytes > 0"), "a foreign process before the test"
+    hog = mem_hog.start(int((FOREIGN_FLOOR_GIB + 0.5) * GiB))  # a real foreign process above the floor
+    try:
+        send_traffic(stack)
+        # Enough scrapes for rate() windows to hold traffic.
+        wait_for(lambda: query(stack, 'count_over_time(up{job="vramledger-worker"}[1m]) >= 10')
+                 and query(stack, f'vramledger_device_process_memory_bytes{{owner="foreign",pid="{hog.pid}"}}'), 60,
+                 "scrapes of the worker and the foreign process")
+        send_traffic(stack)
+        time.sleep(2)
+        empty = []
+        for q in dashboard_queries(rate_interval="1m", range_="5m"):
+            if not query(stack, q.expr) and not metric_names(q.expr) <= MAY_BE_ABSENT:
+                empty.append(f"{q.dashboard} / {q.panel}: {q.expr}")
+        assert not empty, "queries without data:\n" + "\n".join(empty)
+        for dashboard, variable, selector, _label in variable_queries():
+            series = httpx.get(stack.url("prometheus") + "/api/v1/series", params={"match[]": selector}).json()
+            assert series["data"], f"{dashboard}: variable {variable} has no values ({selector})"
+        for path in RULES_DIR.glob("*.yml"):
+            for group in yaml.safe_load(path.read_text())["groups"]:
+                for rule in group["rules"]:
+                    result = query(stack, rule["expr"])
+                    if "record" in rule:
+                        assert result, f"recording rule {rule['record']} has no data"
+        rules = httpx.get(stack.url("prometheus") + "/api/v1/rules").json()["data"]["groups"]
+        unhealthy = [r["name"] for g in rules for r in g["rules"] if r["health"] != "ok"]
+        assert not unhealthy, unhealthy
+
+        def foreign_alert():
+            alerts = httpx.get(stack.url("prometheus") + "/api/v1/alerts").json()["data"]["alerts"]
+            return [a for a in alerts if a["labels"]["alertname"] == "VramledgerForeignMemoryOnDevice"
+                    and a["state"] == "firing"]
+        firing = wait_for(foreign_alert, 60, "VramledgerForeignMemoryOnDevice to fire")
+        assert firing[0]["labels"]["device"] == "host"
+    finally:
+        mem_hog.stop(hog)
+    # With the foreign process gone, the alert resolves.
+    wait_for(lambda: not [a for a in httpx.get(stack.url("prometheus") + "/api/v1/alerts").json()["data"]["alerts"]
+                          if a["labels"]["alertname"] == "VramledgerForeignMemoryOnDevice"], 60,
+             "the foreign-memory alert to resolve")

@@ -1,0 +1,173 @@
+"""The one thread that owns the engine: it loads it, then adds, aborts and steps requests.
+
+The engine is not thread-safe. The asyncio side never touches it: it sends commands through a
+queue guarded by a condition (the thread sleeps on it when idle) and receives each step's outputs
+through `loop.call_soon_threadsafe`, one call per step, into one asyncio.Queue per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from worker.metrics import RequestMetrics
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """Delivered to a request's stream when the engine could not take or finish it."""
+
+
+class EngineLoop:
+    """Owns the LLMEngine on a background thread; requests and aborts reach it as commands."""
+
+    def __init__(self, build: Callable[[], object], metrics: RequestMetrics | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
+        self._build = build
+        self.metrics = metrics
+        self.on_fatal = on_fatal  # called on the engine thread when loading or a step fails
+        self.engine = None  # set once loaded: the asyncio side reads it for validation and gauges
+        self.error: BaseException | None = None
+        self._wake = threading.Condition()
+        self._commands: deque[tuple] = deque()
+        self._pending_adds = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, aloop: asyncio.AbstractEventLoop) -> None:
+        self._aloop = aloop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the current step and end the thread; a thread still loading is left (a daemon)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None and self.engine is not None:
+            self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.error is None
+
+    # -- the asyncio side ------------------------------------------------------------------
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
+               arrival: float) -> asyncio.Queue:
+        """Queue a request; its RequestOutputs (or an EngineFailed) arrive on the returned queue."""
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._send(("add", request_id, token_ids, params, arrival), add=True)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; a finished or unknown request is ignored."""
+        if self._streams.pop(request_id, None) is not None:
+            self._send(("abort", request_id))
+
+    def num_pending(self) -> int:
+        """Requests submitted that the engine thread has not yet queued in its scheduler."""
+        return self._pending_adds
+
+    def num_waiting(self) -> int:
+        engine = self.engine
+        return self._pending_adds + (len(engine.scheduler.waiting) if engine is not None else 0)
+
+    def _send(self, command: tuple, add: bool = False) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._pending_adds += add
+            self._wake.notify()
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | EngineFailed]]) -> None:
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # the client went away; its abort is on the way
+            if isinstance(item, EngineFailed) or item.finished:
+                del self._streams[request_id]
+            stream.put_nowait(item)
+
+    def _fail_all(self, error: EngineFailed) -> None:
+        self._deliver([(request_id, error) for request_id in list(self._streams)])
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _post(self, callback, argument) -> None:
+        try:
+            self._aloop.call_soon_threadsafe(callback, argument)
+        except RuntimeError:
+            pass  # the event loop is closed: the server is shutting down
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            engine = self._build()
+        except Exception as exc:  # noqa: BLE001 - reported and handed to on_fatal
+            log.error("the engine could not be loaded: %s", exc)
+            self._die(exc)
+            return
+        self.engine = engine
+        log.info("engine ready in %.1f s", time.monotonic() - started)
+        try:
+            while (commands := self._next_commands()) is not None:
+                self._apply(commands)
+                if engine.has_unfinished_requests():
+                    self._step()
+        except Exception as exc:  # a failed step fails every request, then the server
+            log.exception("engine step failed; failing all requests")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        self.error = exc
+        self._post(self._fail_all, EngineFailed(f"the engine failed: {type(exc).__name__}"))
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def _next_commands(self) -> list[tuple] | None:
+        """Wait until there is a command or a request to step (no busy spin); None to stop."""
+        with self._wake:
+            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                self._wake.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def _apply(self, commands: list[tuple]) -> None:
+        failed = []
+        for command in commands:
+            if command[0] == "add":
+                _, request_id, token_ids, params, arrival = command
+                try:
+                    self.engine.add_request(token_ids, params, request_id)
+                    if self.metrics is not None:
+                        self.metrics.added(request_id, arrival)
+                except ValueError as exc:  # the server validates first; this is the last guard
+                    failed.append((request_id, EngineFailed(str(exc))))
+                with self._wake:
+                    self._pending_adds -= 1
+            else:
+                if self.metrics is not None:  # counted first: a scrape that sees the blocks freed sees it
+                    self.metrics.aborted(command[1])
+                self.engine.abort_request(command[1])
+        if failed:
+            self._post(self._deliver, failed)
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        outputs = self.engine.step()
+        ended = time.monotonic()
+        if outputs:
+            self._post(self._deliver, [(out.request_id, out) for out in outputs])
+        if self.metrics is not None:
+            self.metrics.step(outputs, started, ended)

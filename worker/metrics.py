@@ -1,0 +1,201 @@
+"""Every Prometheus metric of the worker, in one place.
+
+Two kinds: what the engine already knows (the ledger, KV blocks, queues, cumulative token and
+speculative-decoding counters) is read when scraped by `EngineCollector`; what only shows as
+requests progress (latencies, outcomes, per-request acceptance) is observed by `RequestMetrics`
+on the engine thread. No prompt or completion text ever enters a metric.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.registry import Collector
+
+from worker.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "abort")
+TTFT_BUCKETS = (.005, .01, .025, .05, .075, .1, .15, .2, .3, .4, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+ITL_BUCKETS = (.001, .0025, .005, .01, .015, .02, .025, .03, .04, .05, .075, .1, .15, .2, .3, .4, .5,
+               .75, 1, 2.5)
+LATENCY_BUCKETS = (.05, .1, .25, .5, 1, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 300, 600)
+QUEUE_BUCKETS = (.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+RATIO_BUCKETS = (0, .1, .2, .3, .4, .5, .6, .7, .8, .9, 1)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The labels of vramledger_worker_info."""
+
+    model: str
+    draft_model: str
+    device: str
+    num_speculative_tokens: int
+    version: str
+
+
+class EngineCollector(Collector):
+    """Builds the ledger and engine metrics fresh on each scrape; nothing while the engine loads."""
+
+    def __init__(self, engine: Callable[[], object | None], pending: Callable[[], int],
+                 info: Callable[[], WorkerInfo | None]):
+        self._engine = engine  # the LLMEngine, or None while loading
+        self._pending = pending  # requests handed to the engine thread but not yet in its queue
+        self._info = info
+        self._failed: set[str] = set()
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        if engine is None:
+            return
+        # Each source on its own: a failing ledger read must not hide the queue gauges.
+        for source in (self._ledger, self._kv_cache, self._queues, self._counters, self._worker_info):
+            try:
+                yield from list(source(engine))
+            except Exception:  # a scrape never fails as a whole
+                if source.__name__ not in self._failed:
+                    self._failed.add(source.__name__)
+                    log.exception("metrics source %s failed; its metrics are left out", source.__name__)
+
+    def _ledger(self, engine) -> Iterator[Metric]:
+        report = engine.memory_report()
+        memory = GaugeMetricFamily("vramledger_memory_bytes", "Memory the ledger declares, per component "
+                                   "and model (weights per model; other components have model=\"\").",
+                                   labels=("component", "model"))
+        for entry in report["entries"]:
+            memory.add_metric((entry["component"], entry["model"]), entry["bytes"])
+        yield memory
+        live = report["live"]
+        yield gauge("vramledger_memory_budget_bytes", "Memory the worker may use on its device.",
+                    report["budget"]["bytes"])
+        yield gauge("vramledger_device_memory_total_bytes", "Total memory of the worker's device.",
+                    report["device"]["total_bytes"])
+        yield gauge("vramledger_foreign_memory_at_start_bytes",
+                    "Device memory other processes held when the worker started.",
+                    report["foreign_at_start"]["bytes"])
+        yield gauge("vramledger_process_memory_bytes", "Memory the worker's process holds now "
+                    "(NVML per process on CUDA, RSS on the CPU).", live["process_bytes"])
+        yield gauge("vramledger_unaccounted_memory_bytes",
+                    "max(0, process memory - declared memory), measured now.", live["unaccounted_bytes"])
+
+    def _kv_cache(self, engine) -> Iterator[Metric]:
+        total, used = engine.blocks.num_blocks, engine.blocks.num_used
+        # Untyped, not a gauge: the contract's name ends in _total, which promtool reserves for counters.
+        yield UnknownMetricFamily("vramledger_kv_cache_blocks_total", "KV cache blocks allocated at start "
+                                  "(constant).", value=total)
+        yield gauge("vramledger_kv_cache_blocks_used", "KV cache blocks held by requests.", used)
+        yield gauge("vramledger_kv_cache_usage_ratio", "Share of the KV cache blocks in use.",
+                    used / total if total else 0.0)
+
+    def _queues(self, engine) -> Iterator[Metric]:
+        scheduler = engine.scheduler
+        yield gauge("vramledger_requests_running", "Requests in the running batch.", len(scheduler.running))
+        yield gauge("vramledger_requests_waiting", "Requests waiting for admission (or readmission).",
+                    len(scheduler.waiting) + self._pending())
+
+    def _counters(self, engine) -> Iterator[Metric]:
+        stats = engine.stats
+        yield counter("vramledger_preemptions", "Requests preempted to free KV blocks (recomputed later).",
+                      engine.scheduler.num_preemptions)
+        yield counter("vramledger_prompt_tokens", "Prompt tokens prefilled (recomputation included).",
+                      stats.prompt_tokens)
+        yield counter("vramledger_generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("vramledger_spec_decode_drafts", "Draft proposals verified (one per request per "
+                      "speculative step).", stats.drafts)
+        yield counter("vramledger_spec_decode_draft_tokens", "Draft tokens proposed.", stats.draft_tokens)
+        yield counter("vramledger_spec_decode_accepted_tokens", "Draft tokens the target accepted.",
+                      stats.accepted_tokens)
+        per_position = CounterMetricFamily("vramledger_spec_decode_accepted_tokens_per_position",
+                                           "Drafts whose token at this position (0-based) was accepted.",
+                                           labels=("position",))
+        for position, accepted in enumerate(stats.accepted_per_position):
+            per_position.add_metric((str(position),), accepted)
+        yield per_position
+
+    def _worker_info(self, engine) -> Iterator[Metric]:
+        info = self._info()
+        if info is None:
+            return
+        family = GaugeMetricFamily("vramledger_worker_info", "The worker's models, device and version "
+                                   "(value 1).", labels=("model", "draft_model", "device",
+                                                         "num_speculative_tokens", "version"))
+        family.add_metric((info.model, info.draft_model, info.device, str(info.num_speculative_tokens),
+                           info.version), 1)
+        yield family
+
+
+def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    last_token: float | None = None
+
+
+class RequestMetrics:
+    """Latencies, outcomes and per-request acceptance, observed from each step's outputs."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.finished = Counter("vramledger_requests", "Requests finished, by finish_reason "
+                                "(abort: the client went away).", ("finish_reason",), registry=registry)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)  # every series exists from the start, at 0
+        self.ttft = Histogram("vramledger_time_to_first_token_seconds",
+                              "From arrival to the first generated token.", buckets=TTFT_BUCKETS,
+                              registry=registry)
+        self.inter_token = Histogram("vramledger_inter_token_latency_seconds",
+                                     "Between consecutive tokens of a request; a step that emits n "
+                                     "tokens counts n gaps of 1/n of its interval.", buckets=ITL_BUCKETS,
+                                     registry=registry)
+        self.latency = Histogram("vramledger_request_latency_seconds",
+                                 "From arrival to the last token (aborted requests excluded).",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue = Histogram("vramledger_request_queue_seconds",
+                               "From arrival to the first scheduling into a batch.",
+                               buckets=QUEUE_BUCKETS, registry=registry)
+        self.acceptance = Histogram("vramledger_spec_decode_request_acceptance_ratio",
+                                    "Accepted / proposed draft tokens of each finished request.",
+                                    buckets=RATIO_BUCKETS, registry=registry)
+        self._timings: dict[str, _Timing] = {}  # engine thread only
+
+    def added(self, request_id: str, arrival: float) -> None:
+        self._timings[request_id] = _Timing(arrival)
+
+    def aborted(self, request_id: str) -> None:
+        if self._timings.pop(request_id, None) is not None:
+            self.finished.labels("abort").inc()
+
+    def step(self, outputs: list[RequestOutput], started: float, ended: float) -> None:
+        """Observe one step's outputs; `started`/`ended` bracket the engine step (monotonic)."""
+        for out in outputs:
+            timing = self._timings.get(out.request_id)
+            if timing is None:
+                continue
+            n = len(out.new_token_ids)
+            if n and timing.last_token is None:
+                # Prefill is not chunked: the step that yields the first token is the first scheduling.
+                self.queue.observe(max(0.0, started - timing.arrival))
+                self.ttft.observe(ended - timing.arrival)
+            elif n:
+                gap = (ended - timing.last_token) / n
+                for _ in range(n):
+                    self.inter_token.observe(gap)
+            if n:
+                timing.last_token = ended
+            if out.finished:
+                del self._timings[out.request_id]
+                self.latency.observe(ended - timing.arrival)
+                self.finished.labels(out.finish_reason or "stop").inc()
+                if out.num_draft_tokens:
+                    self.acceptance.observe(out.num_accepted_tokens / out.num_draft_tokens)
