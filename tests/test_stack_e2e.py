@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -19,17 +20,24 @@ from local_stack import LocalStack  # noqa: E402
 # Series that only exist on some devices: NVML's v2 memory call (reserved memory).
 MAY_BE_ABSENT = {"vramledger_device_memory_reserved_bytes"}
 GiB = 1 << 30
-# Host mode counts only processes above this floor as foreign: nothing else here is that big.
-FOREIGN_FLOOR_GIB = 4
+
+
+def foreign_floor() -> int:
+    """Host mode counts only processes above this floor as foreign: above everything running now."""
+    largest = max((p.info["memory_info"].rss for p in psutil.process_iter(["memory_info"])
+                   if p.info["memory_info"] is not None), default=0)
+    return max(2 * GiB, largest + GiB)
 
 
 @pytest.fixture(scope="module")
 def stack(checkpoints, tmp_path_factory):
+    floor = foreign_floor()
     s = LocalStack(tmp_path_factory.mktemp("stack"), scrape_interval="1s", rule_for="2s",
-                   exporter_args=["--min-process-memory", f"{FOREIGN_FLOOR_GIB}GiB"], worker_args=[
+                   exporter_args=["--min-process-memory", str(floor)], worker_args=[
         "--model", checkpoints["llama"], "--draft-model", checkpoints["llama-draft"], "--max-model-len", "256"])
     try:
         s.start(timeout=180)
+        s.foreign_floor = floor
         yield s
     finally:
         s.stop()
@@ -65,7 +73,7 @@ def send_traffic(stack) -> None:
 def test_dashboards_and_rules_evaluate_with_data(stack):
     wait_for(lambda: query(stack, "vramledger_device_foreign_memory_bytes"), 30, "the exporter's first scrape")
     assert not query(stack, "vramledger_device_foreign_memory_bytes > 0"), "a foreign process before the test"
-    hog = mem_hog.start(int((FOREIGN_FLOOR_GIB + 0.5) * GiB))  # a real foreign process above the floor
+    hog = mem_hog.start(stack.foreign_floor + GiB // 2)  # a real foreign process above the floor
     try:
         send_traffic(stack)
         # Enough scrapes for rate() windows to hold traffic.
