@@ -120,6 +120,7 @@ def main() -> int:
     print("starting worker, exporter and Prometheus (logs in %s) ..." % args.workdir, flush=True)
     try:
         stack.start()
+        model = httpx.get(stack.url("worker") + "/v1/models").json()["data"][0]["id"]
         print(f"""
 vramledger is up:
   OpenAI API      {stack.url('worker')}/v1/completions, /v1/chat/completions, /v1/models
@@ -128,7 +129,7 @@ vramledger is up:
   exporter        {stack.url('exporter')}/metrics
   Prometheus      {stack.url('prometheus')}  (alerts: /alerts, rules: /rules)
 try: curl -s {stack.url('worker')}/v1/completions -H 'content-type: application/json' \\
-       -d '{{"prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
+       -d '{{"model": "{model}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
 Ctrl-C stops everything.""", flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
             time.sleep(1)
