@@ -139,7 +139,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class Document:
+class ResponseRenderer:
     """The id, object kind, creation time and model every response and chunk of a request carries."""
 
     def __init__(self, request_id: str, chat: bool, model: str, return_token_ids: bool):

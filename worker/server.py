@@ -30,16 +30,16 @@ from worker.api_models import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    Document,
     ErrorResponse,
     ModelList,
+    ResponseRenderer,
     SamplingRequest,
     error_body,
 )
 from worker.config import EngineConfig
 from worker.engine_loop import EngineFailed, EngineLoop
 from worker.metrics import EngineCollector, RequestMetrics, WorkerInfo
-from worker.sampling_params import SamplingParams
+from worker.openai_protocol import chat_token_ids, prompt_token_ids, sampling_params, validation_error
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "VRAMLEDGER_API_KEY"
@@ -146,27 +146,6 @@ async def send_json(send, status: int, body: dict, headers: dict | None = None) 
 
 
 # --- errors ------------------------------------------------------------------------------------
-UNION_TAGS = ("str", "int", "float", "bool", "TextPart")
-
-
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem of a request body as a 400 with the offending top-level parameter."""
-    first = exc.errors()[0]
-    kind, loc = first.get("type", ""), [p for p in first.get("loc", ()) if p != "body"]
-    if kind == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-                        code="invalid_json")
-    if not loc:
-        return APIError(400, f"the request body must be a JSON object: {first['msg']}", code="invalid_body")
-    path = ".".join(str(p) for p in loc if isinstance(p, int) or ("[" not in p and p not in UNION_TAGS))
-    param = str(loc[0])
-    if kind == "extra_forbidden":
-        return APIError(400, f"unsupported parameter: {path}", param=param, code="unsupported_parameter")
-    if kind == "missing":
-        return APIError(400, f"missing required parameter: {path}", param=param, code="missing_parameter")
-    return APIError(400, f"invalid value for {path}: {first['msg']}", param=param, code="invalid_value")
-
-
 def api_error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -227,7 +206,7 @@ class Job:
 
     request_id: str
     stream: asyncio.Queue
-    doc: Document
+    render: ResponseRenderer
     prompt_tokens: int
 
 
@@ -311,7 +290,7 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
                            "retry later", type="server_error", code="queue_full", headers={"Retry-After": "1"})
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = engine_loop.submit(request_id, token_ids, params, time.monotonic())
-        return Job(request_id, stream, Document(request_id, chat, model_name, body.return_token_ids),
+        return Job(request_id, stream, ResponseRenderer(request_id, chat, model_name, body.return_token_ids),
                    len(token_ids))
 
     async def respond(request: Request, body: SamplingRequest, job: Job):
@@ -330,7 +309,7 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)
         text, token_ids, reason = collect.result()
-        return JSONResponse(job.doc.response(text, token_ids, reason, job.prompt_tokens))
+        return JSONResponse(job.render.response(text, token_ids, reason, job.prompt_tokens))
 
     async def collect_all(job: Job):
         text, token_ids = [], []
@@ -353,10 +332,10 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
                     finished = True
                     return
                 finished, completion_tokens = out.finished, out.num_output_tokens
-                if out.text or finished or (job.doc.return_token_ids and out.new_token_ids):
-                    yield sse(job.doc.chunk(out.text, out.new_token_ids, out.finish_reason))
+                if out.text or finished or (job.render.return_token_ids and out.new_token_ids):
+                    yield sse(job.render.chunk(out.text, out.new_token_ids, out.finish_reason))
             if include_usage:
-                yield sse(job.doc.usage_chunk(job.prompt_tokens, completion_tokens))
+                yield sse(job.render.usage_chunk(job.prompt_tokens, completion_tokens))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
@@ -409,62 +388,6 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
 
     app.add_middleware(Guard, settings=settings)  # before routing and body parsing
     return app
-
-
-# --- request -> engine input -----------------------------------------------------------------
-def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, "batched prompts are not supported; send one request per prompt",
-                           param="prompt", code="invalid_value")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt)
-    else:
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt",
-                           code="invalid_value")
-        token_ids = list(prompt)
-    if not token_ids:
-        raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-    return token_ids
-
-
-def chat_token_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "the model's tokenizer has no chat template; use /v1/completions",
-                       param="messages", code="no_chat_template")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # the template rejects the conversation (e.g. raise_exception)
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
-                       code="invalid_value") from exc
-    token_ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote any special tokens
-    if not token_ids:
-        raise APIError(400, "the conversation is empty", param="messages", code="empty_prompt")
-    return token_ids
-
-
-def sampling_params(body: SamplingRequest, prompt_tokens: int, max_model_len: int, chat: bool,
-                    param: str) -> SamplingParams:
-    room = max_model_len - prompt_tokens  # the engine needs the prompt plus at least one new token to fit
-    if room < 1:
-        raise APIError(400, f"the prompt has {prompt_tokens} tokens; max_model_len is {max_model_len}, "
-                       f"so at most {max_model_len - 1} prompt tokens fit", param=param,
-                       code="context_length_exceeded")
-    requested, name = body.max_tokens, "max_tokens"
-    if chat and body.max_completion_tokens is not None:  # the newer name wins, as in OpenAI's API
-        requested, name = body.max_completion_tokens, "max_completion_tokens"
-    if requested is None:
-        requested = room if chat else min(16, room)
-    if requested > room:
-        raise APIError(400, f"{name}={requested} is too large: the prompt has {prompt_tokens} tokens and "
-                       f"max_model_len is {max_model_len}, so at most {room} new tokens fit", param=name,
-                       code="context_length_exceeded")
-    return SamplingParams(max_tokens=requested, temperature=body.effective_temperature, top_p=body.top_p,
-                          top_k=max(0, body.top_k), seed=body.seed, stop=body.stop_list,
-                          ignore_eos=body.ignore_eos)
 
 
 def worker_info(engine, model_name: str) -> WorkerInfo | None:
