@@ -78,7 +78,7 @@ def main() -> None:
     print(f"\n| {'workload':28} | {'ours tok/s':>10} | {'transformers tok/s':>18} | {'ours / transformers':>19} |")
     print(f"|{'-' * 30}|{'-' * 12}|{'-' * 20}|{'-' * 21}|")
     for name, o, t in rows:
-        print(f"| {name:28} | {o:10.1f} | {t if t is None else f'{t:.1f}':>18} | "
+        print(f"| {name:28} | {o:10.1f} | {'n/a' if t is None else f'{t:.1f}':>18} | "
               f"{'n/a' if t is None else f'{o / t:.2f}x':>19} |")
     print("\ntransformers' speculative row is generate(assistant_model=draft); it cannot batch (n/a).")
     print(f"ours speculative / ours plain: batch 1 {spec1 / plain1:.2f}x (target >= 1.5x), "

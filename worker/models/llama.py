@@ -52,11 +52,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=arch.o_bias)
 
+    def fuse(self) -> None:
+        """One matmul for q, k and v: small batches pay per call, not per FLOP."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = nn.Parameter(torch.cat([p.weight for p in projs]), requires_grad=False)
+        self.qkv_bias = (nn.Parameter(torch.cat([p.bias for p in projs]), requires_grad=False)
+                         if self.q_proj.bias is not None else None)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, cos, sin, k_cache, v_cache, batch: PagedBatch):
         B, Q, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, Q, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, Q, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(B, Q, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], -1)
+        q = apply_rope(q.view(B, Q, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(B, Q, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(B, Q, self.num_kv_heads, self.head_dim)
         # Write the new keys/values, then read the whole context through the block table.
         k_cache.index_copy_(0, batch.write_slots, k.reshape(B * Q, *k.shape[2:])[batch.write_rows])
         v_cache.index_copy_(0, batch.write_slots, v.reshape(B * Q, *v.shape[2:])[batch.write_rows])
@@ -77,8 +87,17 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=arch.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
+    def fuse(self) -> None:
+        """One matmul for gate and up."""
+        projs = (self.gate_proj, self.up_proj)
+        self.gate_up_weight = nn.Parameter(torch.cat([p.weight for p in projs]), requires_grad=False)
+        self.gate_up_bias = (nn.Parameter(torch.cat([p.bias for p in projs]), requires_grad=False)
+                             if self.gate_proj.bias is not None else None)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -117,6 +136,12 @@ class CausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    def fuse_projections(self) -> None:
+        """After loading: checkpoint-shaped q/k/v and gate/up become fused matmuls."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """[k/v, layers, slots, kv heads, head dim]: one tensor holds the whole cache."""

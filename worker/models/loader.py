@@ -68,6 +68,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary.to(device)  # computed, not loaded
+    model.fuse_projections()
     return model.eval().requires_grad_(False)
 
 
