@@ -35,7 +35,7 @@ signal.sigwait([signal.SIGTERM, signal.SIGINT])
 def serve_fake_nvml(worker_pid: int, exporter_args: list[str]) -> int:
     """Runs the real exporter over a fake NVML of GPUS x PROCESSES (the worker is one of them)."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    from fake_pynvml import GiB, FakeGpu, FakePynvml, proc
+    from fake_pynvml import FakeGpu, FakePynvml, GiB, proc
 
     def pid(gpu: int, slot: int) -> int:
         return worker_pid if (gpu, slot) == (0, 0) else 100_000 + gpu * 1000 + slot
@@ -83,8 +83,8 @@ def percentile(sorted_ms: list[float], q: float) -> float:
 
 
 def collect_mean_ms(text: str) -> str:
-    total = re.search(r"^vramledger_exporter_collect_seconds_sum (\S+)", text, re.M)
-    count = re.search(r"^vramledger_exporter_collect_seconds_count (\S+)", text, re.M)
+    total = re.search(r"^vramledger_exporter_collect_seconds_sum (\S+)", text, re.MULTILINE)
+    count = re.search(r"^vramledger_exporter_collect_seconds_count (\S+)", text, re.MULTILINE)
     return f"{1000 * float(total.group(1)) / float(count.group(1)):.2f}" if total and count else "-"
 
 

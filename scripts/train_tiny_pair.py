@@ -33,7 +33,7 @@ import time
 # fight other processes and made a training step 3x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402  (after the OpenMP setting, which is read at load)
+import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm

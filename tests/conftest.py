@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from random_models import make_checkpoint  # noqa: E402
+from random_models import make_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -186,7 +186,7 @@ def expressions(**kwargs) -> list[str]:
     return [q.expr for q in dashboard_queries(**kwargs)]
 
 
-_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(.*)\s*,\s*)?(\w+)\s*\)\s*$", re.S)
+_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(.*)\s*,\s*)?(\w+)\s*\)\s*$", re.DOTALL)
 
 
 def variable_queries(raw: bool = False) -> list[tuple[str, str, str, str]]:

@@ -9,7 +9,7 @@ import contextlib
 import ctypes
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def _libc():

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from dashboard_queries import ROOT
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -78,12 +77,12 @@ def test_images_build_from_the_repo_dockerfile():
         dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
         assert (context / dockerfile).is_file(), f"{name}: {context / dockerfile} missing"
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for line in re.findall(r"^COPY\s+(.+)$", dockerfile, re.M):
+    for line in re.findall(r"^COPY\s+(.+)$", dockerfile, re.MULTILINE):
         *sources, _ = shlex.split(line)
         for source in sources:
             if not source.startswith("--"):
                 assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
-    assert re.search(r"^RUN\s+pip install \.", dockerfile, re.M), "the image must pip install the project"
+    assert re.search(r"^RUN\s+pip install \.", dockerfile, re.MULTILINE), "the image must pip install the project"
 
 
 def _worker_args():
@@ -119,7 +118,7 @@ def test_exporter_command_parses_with_the_exporter_cli():
 def test_dockerfile_default_command_parses():
     from worker.cli import build_parser
 
-    cmd = re.search(r"^CMD\s+(\[.*\])\s*$", (ROOT / "Dockerfile").read_text(), re.M)
+    cmd = re.search(r"^CMD\s+(\[.*\])\s*$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     assert cmd, "Dockerfile needs an exec-form CMD"
     _parse(build_parser, _module_args(yaml.safe_load(cmd.group(1)), "worker"))
 

@@ -8,9 +8,17 @@ import subprocess
 
 import pytest
 import yaml
-
-from dashboard_queries import (DASHBOARDS, ROOT, dashboard_queries, iter_panels, known_series, load_dashboard,
-                               metric_names, recording_rule_names, variable_queries)
+from dashboard_queries import (
+    DASHBOARDS,
+    ROOT,
+    dashboard_queries,
+    iter_panels,
+    known_series,
+    load_dashboard,
+    metric_names,
+    recording_rule_names,
+    variable_queries,
+)
 
 PROVISIONING = ROOT / "dashboards" / "provisioning"
 DS_UIDS = ("${datasource}", "$datasource")

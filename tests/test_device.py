@@ -6,11 +6,11 @@ import os
 import sys
 from types import SimpleNamespace
 
+import mem_hog
 import psutil
 import pytest
 import torch
 
-import mem_hog
 from worker.device import CpuDevice, CudaDevice, ProcessMemory, get_device, host_pid, in_host_pid_namespace
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -9,15 +9,23 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).parent))  # the fake library sits beside the tests
-from fake_pynvml import (GiB, NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_GPU_IS_LOST,  # noqa: E402
-                         NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_NO_PERMISSION, FakeGpu, FakePynvml,
-                         NVMLError, proc)
+from fake_pynvml import (
+    NVML_ERROR_DRIVER_NOT_LOADED,
+    NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_LIBRARY_NOT_FOUND,
+    NVML_ERROR_NO_PERMISSION,
+    FakeGpu,
+    FakePynvml,
+    GiB,
+    NVMLError,
+    proc,
+)
 
-from exporter.attribution import HostPidResolver  # noqa: E402
-from exporter.collector import ExporterCollector  # noqa: E402
-from exporter.errors import ErrorLog  # noqa: E402
-from exporter.sources import HostSource, NvmlSource, SourceUnavailable, open_source  # noqa: E402
-from exporter.workers import parse_ledger  # noqa: E402
+from exporter.attribution import HostPidResolver
+from exporter.collector import ExporterCollector
+from exporter.errors import ErrorLog
+from exporter.sources import HostSource, NvmlSource, SourceUnavailable, open_source
+from exporter.workers import parse_ledger
 
 WORKER = "http://worker-0:8000"
 NO_ERRORS = {"nvml": 0, "worker": 0, "exporter": 0}

@@ -27,7 +27,7 @@ TIB = 1 << 40
 def documented_ledger() -> dict:
     """The example document of docs/ledger.md: the contract the exporter reads."""
     text = (ROOT / "docs" / "ledger.md").read_text()
-    block = re.search(r"```json\n(.*?)```", text, re.S).group(1)
+    block = re.search(r"```json\n(.*?)```", text, re.DOTALL).group(1)
     return json.loads(block.replace('"GPU-…"', '"GPU-0"'))
 
 

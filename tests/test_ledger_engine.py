@@ -7,8 +7,8 @@ import sys
 
 import psutil
 import pytest
-
 from random_models import make_checkpoint
+
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.profiler import module_tensor_bytes

@@ -1,14 +1,22 @@
 """The budget, the KV cache size and the startup checks, with the messages users read."""
 from __future__ import annotations
 
-import pytest
-
 import mem_hog
+import pytest
 from test_device import FakeCuda, props, two_gpus
+
 from worker.device import CpuDevice, CudaDevice
-from worker.memory_plan import (CPU_DEFAULT_KV_BYTES, MemoryPlanError, SizeError, blocks_per_sequence,
-                                budget_bytes, check_free_memory, max_usable_kv_bytes, parse_size,
-                                plan_kv_blocks)
+from worker.memory_plan import (
+    CPU_DEFAULT_KV_BYTES,
+    MemoryPlanError,
+    SizeError,
+    blocks_per_sequence,
+    budget_bytes,
+    check_free_memory,
+    max_usable_kv_bytes,
+    parse_size,
+    plan_kv_blocks,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 UNLIMITED = 1 << 50

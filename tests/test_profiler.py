@@ -7,17 +7,23 @@ import re
 import time
 from pathlib import Path
 
+import mem_hog
 import psutil
 import pytest
 import torch
+from test_device import FakeCuda, props, two_gpus
 from torch import nn
 
-import mem_hog
-from test_device import FakeCuda, props, two_gpus
 from worker.device import CpuDevice, CudaDevice, ProcessMemory
 from worker.ledger import Ledger, container_id_from, format_table, plot, summary_line
-from worker.profiler import (MemorySnapshot, PeakSampler, measure_graph_pool, measure_weights, profile_window,
-                             runtime_bytes)
+from worker.profiler import (
+    MemorySnapshot,
+    PeakSampler,
+    measure_graph_pool,
+    measure_weights,
+    profile_window,
+    runtime_bytes,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 LEDGER_DOC = Path(__file__).parents[1] / "docs" / "ledger.md"
@@ -176,7 +182,7 @@ def _shape(value):
 
 
 def test_ledger_document_matches_docs(cpu):
-    documented = json.loads(re.search(r"```json\n(.*?)```", LEDGER_DOC.read_text(), re.S).group(1))
+    documented = json.loads(re.search(r"```json\n(.*?)```", LEDGER_DOC.read_text(), re.DOTALL).group(1))
     ledger = _ledger(cpu)
     ledger.foreign_at_start_processes = [ProcessMemory(999, "python", 1_900_000_000)]
     doc = ledger.to_dict(process_bytes=5 * GiB, blocks_used=7)

@@ -7,7 +7,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from dashboard_queries import ROOT, known_series, metric_names
 
 PROM = ROOT / "prometheus"
@@ -95,7 +94,7 @@ def test_prometheus_config_loads_every_rule_file_and_scrapes_both_jobs():
     assert set(RULE_FILES) <= loaded, "prometheus.yml does not load every file in prometheus/rules"
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert {"vramledger-worker", "vramledger-exporter"} <= set(jobs)
-    targets = lambda job: [t for sc in jobs[job]["static_configs"] for t in sc["targets"]]  # noqa: E731
+    targets = lambda job: [t for sc in jobs[job]["static_configs"] for t in sc["targets"]]
     assert targets("vramledger-worker") == ["worker:8000"]
     assert targets("vramledger-exporter") == ["exporter:9400"]
 
@@ -130,7 +129,7 @@ def test_alert_metadata_and_runbook(name):
     runbook = RUNBOOKS / f"{name}.md"
     assert runbook.is_file(), f"missing runbook {runbook}"
     text = runbook.read_text()
-    headings = re.findall(r"^##\s+(.+?)\s*$", text, re.M)
+    headings = re.findall(r"^##\s+(.+?)\s*$", text, re.MULTILINE)
     for section in RUNBOOK_SECTIONS:
         assert section in headings, f"{runbook.name}: section '## {section}' missing"
         body = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]

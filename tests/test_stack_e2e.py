@@ -2,20 +2,15 @@
 query and rule evaluated by Prometheus, and the foreign-memory alert made to fire."""
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import httpx
+import mem_hog
 import psutil
 import pytest
 import yaml
-
-import mem_hog
 from dashboard_queries import RULES_DIR, dashboard_queries, metric_names, variable_queries
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from local_stack import LocalStack  # noqa: E402
+from local_stack_path import LocalStack
 
 # Series that only exist on some devices: NVML's v2 memory call (reserved memory).
 MAY_BE_ABSENT = {"vramledger_device_memory_reserved_bytes"}

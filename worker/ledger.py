@@ -5,8 +5,8 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from worker.device import Device, ProcessMemory, host_pid
 from worker.memory_plan import blocks_per_sequence

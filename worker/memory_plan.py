@@ -21,7 +21,7 @@ class MemoryPlanError(RuntimeError):
     """The memory settings cannot work on this device; the message says what to change."""
 
 
-def _size(n: int | float) -> str:
+def _size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
 
 

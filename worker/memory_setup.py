@@ -4,8 +4,13 @@ from __future__ import annotations
 from worker.config import EngineConfig
 from worker.device import Device
 from worker.ledger import Ledger
-from worker.memory_plan import (CUDA_DEFAULT_UTILIZATION, budget_bytes, check_free_memory,
-                                max_usable_kv_bytes, plan_kv_blocks)
+from worker.memory_plan import (
+    CUDA_DEFAULT_UTILIZATION,
+    budget_bytes,
+    check_free_memory,
+    max_usable_kv_bytes,
+    plan_kv_blocks,
+)
 from worker.model_runner import ModelRunner
 from worker.profile_run import profile_blocks, run_worst_case
 from worker.profiler import MemorySnapshot, profile_window

@@ -20,7 +20,7 @@ class RowParams:
         self.needs_filter = any(p.top_k > 0 or p.top_p < 1 for p in params)
         self.generators = generators
 
-    def expand(self, n: int) -> "RowParams":
+    def expand(self, n: int) -> RowParams:
         """The same settings for n positions per row (rows repeated, row-major)."""
         out = object.__new__(RowParams)
         out.greedy = self.greedy.repeat_interleave(n)

@@ -40,6 +40,7 @@ from worker.config import EngineConfig
 from worker.engine_loop import EngineFailed, EngineLoop
 from worker.metrics import EngineCollector, RequestMetrics, WorkerInfo
 from worker.openai_protocol import chat_token_ids, prompt_token_ids, sampling_params, validation_error
+from worker.test_hooks import install_test_hooks
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "VRAMLEDGER_API_KEY"
@@ -386,6 +387,7 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(registry), headers={"Content-Type": content_type})
 
+    install_test_hooks(app)
     app.add_middleware(Guard, settings=settings)  # before routing and body parsing
     return app
 

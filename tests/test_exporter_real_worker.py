@@ -1,0 +1,65 @@
+"""The exporter in host mode beside our real worker (`python -m worker serve`), not a stand-in."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import httpx
+import psutil
+import pytest
+from local_stack_path import free_port, wait_http
+from test_exporter_host import HOLD, PY, MiB, find, one, read_line, scrape, spawn, start_exporter  # noqa: F401
+
+
+@pytest.fixture
+def worker(spawn, checkpoints):  # noqa: F811
+    port = free_port()
+    env = dict(os.environ, VRAMLEDGER_TEST_HOOKS="1")
+    proc = spawn([PY, "-m", "worker", "serve", "--model", checkpoints["llama"], "--no-draft",
+                  "--max-model-len", "128", "--port", str(port)], env=env,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", 180, proc)
+    return proc, url
+
+
+def test_real_worker_beside_a_foreign_process(spawn, worker, tmp_path):  # noqa: F811
+    proc, url = worker
+    foreign = spawn([PY, "-c", HOLD, "512"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert read_line(foreign) == "ready"
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url)
+    samples = scrape(port)
+    [mine] = find(samples, "vramledger_device_process_memory_bytes", pid=str(proc.pid))
+    assert mine.labels["owner"] == "worker" and mine.labels["worker"] == url
+    declared = httpx.get(url + "/v1/memory").json()["declared_bytes"]
+    assert one(samples, "vramledger_worker_declared_memory_bytes", worker=url) == declared
+    [theirs] = find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))
+    assert theirs.labels["owner"] == "foreign" and theirs.value >= 512 * MiB
+    foreign.kill()
+    foreign.wait(timeout=10)
+    assert find(scrape(port), "vramledger_device_process_memory_bytes", pid=str(foreign.pid)) == []
+
+
+def test_memory_the_real_worker_holds_outside_its_ledger_is_unaccounted(spawn, worker, tmp_path):  # noqa: F811
+    proc, url = worker
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url)
+    before = scrape(port)
+    httpx.post(url + "/test/hold", params={"mib": 256}, timeout=30).raise_for_status()
+    after = scrape(port)
+    rise = (one(after, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host")
+            - one(before, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host"))
+    assert 0.9 * 256 * MiB <= rise <= 1.1 * 256 * MiB
+    observed = one(after, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
+    assert observed == pytest.approx(psutil.Process(proc.pid).memory_info().rss, rel=0.02)
+
+
+def test_killing_the_real_worker_marks_it_down(spawn, worker, tmp_path):  # noqa: F811
+    proc, url = worker
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url,
+                             "--worker-timeout", "0.5")
+    assert one(scrape(port), "vramledger_worker_up", worker=url) == 1
+    proc.kill()
+    proc.wait(timeout=10)
+    samples = scrape(port)
+    assert one(samples, "vramledger_worker_up", worker=url) == 0
+    assert find(samples, "vramledger_worker_declared_memory_bytes") == []
