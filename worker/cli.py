@@ -6,14 +6,7 @@ import logging
 import sys
 
 from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
-
-
-def parse_size(text: str) -> int:
-    from worker.memory_plan import parse_size as parse
-    try:
-        return parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+from worker.memory_plan import parse_size  # its SizeError is an ArgumentTypeError too
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
