@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from local_stack import free_port, wait_http  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "worker" / "assets"
@@ -79,17 +81,10 @@ class Peer:
                                             stderr=subprocess.STDOUT, env={**os.environ, **self.env})
 
     def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"exited with {self.process.returncode}: {self.log.read_text()[-1500:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"not healthy after {timeout} s: {self.log.read_text()[-1500:]}")
+        try:
+            wait_http(self.url + "/health", timeout, self.process)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{self.name}: {exc}: {self.log.read_text()[-1500:]}") from exc
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -98,12 +93,6 @@ class Peer:
                 self.process.wait(15)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- load ------------------------------------------------------------------------------------
