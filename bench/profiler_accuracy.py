@@ -11,8 +11,8 @@ import argparse
 import time
 
 from worker.cli import add_engine_flags, engine_config
-from worker.engine import LLMEngine
-from worker.sampling_params import SamplingParams
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
 
 MiB = 1 << 20
 

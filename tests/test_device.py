@@ -11,7 +11,14 @@ import psutil
 import pytest
 import torch
 
-from worker.device import CpuDevice, CudaDevice, ProcessMemory, get_device, host_pid, in_host_pid_namespace
+from worker.memory.device import (
+    CpuDevice,
+    CudaDevice,
+    ProcessMemory,
+    get_device,
+    host_pid,
+    in_host_pid_namespace,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 NEIGHBOUR_PID = 999_999

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from worker.config import EngineConfig
-from worker.engine import LLMEngine
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
 from worker.models.loader import ModelLoadError
-from worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

@@ -1,8 +1,8 @@
-"""The exporter in host mode beside our real worker (`python -m worker serve`), not a stand-in."""
+"""The exporter in host mode beside our real worker (`python -m worker serve` plus a test route)."""
 from __future__ import annotations
 
-import os
 import subprocess
+from pathlib import Path
 
 import httpx
 import psutil
@@ -10,13 +10,14 @@ import pytest
 from local_stack_path import free_port, wait_http
 from test_exporter_host import HOLD, PY, MiB, find, one, read_line, scrape, spawn, start_exporter  # noqa: F401
 
+HERE = Path(__file__).parent
+
 
 @pytest.fixture
 def worker(spawn, checkpoints):  # noqa: F811
     port = free_port()
-    env = dict(os.environ, VRAMLEDGER_TEST_HOOKS="1")
-    proc = spawn([PY, "-m", "worker", "serve", "--model", checkpoints["llama"], "--no-draft",
-                  "--max-model-len", "128", "--port", str(port)], env=env,
+    proc = spawn([PY, str(HERE / "serve_with_hold_route.py"), "--model", checkpoints["llama"], "--no-draft",
+                  "--max-model-len", "128", "--port", str(port)],
                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", 180, proc)

@@ -1,10 +1,10 @@
 """Block manager and scheduler bookkeeping, without torch."""
 import sys
 
-from worker.kv_cache import BlockManager
-from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence, Status
+from worker.engine.block_manager import BlockManager
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, Status
 
 
 def seq(name, n):
@@ -63,9 +63,9 @@ def test_admission_respects_limits():
 
 
 def test_bookkeeping_imports_no_torch():
-    for name in ("worker.kv_cache", "worker.scheduler", "worker.sequence"):
+    for name in ("worker.engine.block_manager", "worker.engine.scheduler", "worker.engine.sequence"):
         module = sys.modules[name]
         assert "torch" not in vars(module), name
     import subprocess
-    code = "import sys, worker.scheduler, worker.kv_cache; print('torch' in sys.modules)"
+    code = "import sys, worker.engine.scheduler, worker.engine.block_manager; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

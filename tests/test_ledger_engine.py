@@ -10,8 +10,8 @@ import pytest
 from random_models import make_checkpoint
 
 from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.profiler import module_tensor_bytes
+from worker.engine.llm_engine import LLMEngine
+from worker.memory.profiler import module_tensor_bytes
 
 GiB = 1 << 30
 

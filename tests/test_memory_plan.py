@@ -5,8 +5,8 @@ import mem_hog
 import pytest
 from test_device import FakeCuda, props, two_gpus
 
-from worker.device import CpuDevice, CudaDevice
-from worker.memory_plan import (
+from worker.memory.device import CpuDevice, CudaDevice
+from worker.memory.plan import (
     CPU_DEFAULT_KV_BYTES,
     MemoryPlanError,
     SizeError,

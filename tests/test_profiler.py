@@ -14,9 +14,9 @@ import torch
 from test_device import FakeCuda, props, two_gpus
 from torch import nn
 
-from worker.device import CpuDevice, CudaDevice, ProcessMemory
-from worker.ledger import Ledger, container_id_from, format_table, plot, summary_line
-from worker.profiler import (
+from worker.memory.device import CpuDevice, CudaDevice, ProcessMemory
+from worker.memory.ledger import Ledger, container_id_from, format_table, plot, summary_line
+from worker.memory.profiler import (
     MemorySnapshot,
     PeakSampler,
     measure_graph_pool,

@@ -1,9 +1,9 @@
 """The rejection sampler emits the target's distribution, whatever the draft proposes."""
 import torch
 
-from worker.sampler import RowParams, exponential_noise
-from worker.sampling_params import SamplingParams
-from worker.spec_decode import verify
+from worker.engine.sampler import RowParams, exponential_noise
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.spec_decode import verify
 
 V, N = 8, 60_000
 # Each frequency has a standard error of at most sqrt(0.25 / N) = 0.002; 0.01 is five of them.

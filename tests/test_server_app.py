@@ -6,9 +6,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from worker.config import EngineConfig
-from worker.engine import LLMEngine
+from worker.engine.llm_engine import LLMEngine
+from worker.http.server import ServerSettings, create_app
 from worker.models.loader import ModelLoadError
-from worker.server import ServerSettings, create_app
 
 KEY = {"Authorization": "Bearer k"}
 

@@ -6,7 +6,7 @@ import logging
 import sys
 
 from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
-from worker.memory_plan import parse_size  # its SizeError is an ArgumentTypeError too
+from worker.memory.plan import parse_size  # its SizeError is an ArgumentTypeError too
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -71,15 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from worker.server import run_server
-    return run_server(args)
+    from worker.http.server import run_server
+    return run_server(engine_config(args), args)
 
 
 def run_profile(args: argparse.Namespace) -> int:
     import json
 
-    from worker.engine import LLMEngine
-    from worker.ledger import format_table, plot
+    from worker.engine.llm_engine import LLMEngine
+    from worker.memory.ledger import format_table, plot
 
     engine = LLMEngine(engine_config(args))
     if args.json:
@@ -93,8 +93,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from worker.engine import LLMEngine
-    from worker.sampling_params import SamplingParams
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

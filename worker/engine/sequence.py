@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from worker.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

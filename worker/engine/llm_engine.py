@@ -10,21 +10,21 @@ import torch
 from tqdm import tqdm
 
 from worker.config import EngineConfig
-from worker.detokenizer import IncrementalText
-from worker.device import get_device
-from worker.kv_cache import BlockManager
-from worker.ledger import Ledger, format_table, summary_line
-from worker.memory_setup import plan_memory
-from worker.model_runner import ModelRunner
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalText
+from worker.engine.memory_setup import plan_memory
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import EngineStats, RequestOutput
+from worker.engine.sampler import RowParams, probabilities, sample
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence
+from worker.engine.spec_decode import verify
+from worker.memory.device import get_device
+from worker.memory.ledger import Ledger, format_table, summary_line
+from worker.memory.profiler import measure_weights
 from worker.models.llama import CausalLM
 from worker.models.loader import ModelLoadError, load_config, load_model, load_tokenizer
-from worker.outputs import EngineStats, RequestOutput
-from worker.profiler import measure_weights
-from worker.sampler import RowParams, probabilities, sample
-from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence
-from worker.spec_decode import verify
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

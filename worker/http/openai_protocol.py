@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from fastapi.exceptions import RequestValidationError
 
-from worker.api_models import APIError, ChatCompletionRequest, SamplingRequest
-from worker.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams
+from worker.http.api_models import APIError, ChatCompletionRequest, SamplingRequest
 
 UNION_TAGS = ("str", "int", "float", "bool", "TextPart")
 

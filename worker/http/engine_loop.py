@@ -13,9 +13,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from worker.metrics import RequestMetrics
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.engine.outputs import RequestOutput
+from worker.engine.sampling_params import SamplingParams
+from worker.http.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from worker.api_models import (
+from worker.config import EngineConfig
+from worker.http.api_models import (
     APIError,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -36,11 +37,9 @@ from worker.api_models import (
     SamplingRequest,
     error_body,
 )
-from worker.config import EngineConfig
-from worker.engine_loop import EngineFailed, EngineLoop
-from worker.metrics import EngineCollector, RequestMetrics, WorkerInfo
-from worker.openai_protocol import chat_token_ids, prompt_token_ids, sampling_params, validation_error
-from worker.test_hooks import install_test_hooks
+from worker.http.engine_loop import EngineFailed, EngineLoop
+from worker.http.metrics import EngineCollector, RequestMetrics, WorkerInfo
+from worker.http.openai_protocol import chat_token_ids, prompt_token_ids, sampling_params, validation_error
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "VRAMLEDGER_API_KEY"
@@ -230,7 +229,7 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
         from worker.models.loader import load_config, load_tokenizer
 
         if engine_factory is None:
-            from worker.engine import LLMEngine
+            from worker.engine.llm_engine import LLMEngine
             engine = LLMEngine(config)
         else:
             engine = engine_factory(config)
@@ -387,7 +386,6 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(registry), headers={"Content-Type": content_type})
 
-    install_test_hooks(app)
     app.add_middleware(Guard, settings=settings)  # before routing and body parsing
     return app
 
@@ -411,13 +409,10 @@ def package_version() -> str:
 
 
 # --- python -m worker serve --------------------------------------------------------------------
-def run_server(args) -> int:
+def run_server(config: EngineConfig, args) -> int:
     """Serve until interrupted; 1 when the engine failed to load or crashed."""
     import uvicorn
 
-    from worker.cli import engine_config
-
-    config = engine_config(args)
     settings = ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                               max_waiting=args.max_waiting,
                               metrics=os.environ.get(METRICS_ENV, "on").lower() not in ("off", "0", "false"),

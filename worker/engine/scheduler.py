@@ -5,8 +5,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from worker.kv_cache import BlockManager
-from worker.sequence import Sequence, Status
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence, Status
 
 
 @dataclass

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.device import Device, ProcessMemory, host_pid
-from worker.memory_plan import blocks_per_sequence
-from worker.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
+from worker.memory.device import Device, ProcessMemory, host_pid
+from worker.memory.plan import blocks_per_sequence
+from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 
 GiB = 1 << 30
 LEDGER_VERSION = 1

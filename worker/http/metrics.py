@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
-from worker.outputs import RequestOutput
+from worker.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import math
 import re
 from decimal import Decimal
 
-from worker.device import Device, ProcessMemory
+from worker.memory.device import Device, ProcessMemory
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from worker.config import EngineConfig
-from worker.model_runner import ModelRunner
-from worker.sampler import RowParams, probabilities, sample
-from worker.sampling_params import SamplingParams
-from worker.spec_decode import verify
+from worker.engine.model_runner import ModelRunner
+from worker.engine.sampler import RowParams, probabilities, sample
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.spec_decode import verify
 
 # Sampling with top-k and top-p takes the most memory (a sort of the vocabulary).
 WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams
 
 
 class RowParams:

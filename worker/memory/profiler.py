@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from worker.device import Device
+from worker.memory.device import Device
 
 log = logging.getLogger(__name__)
 

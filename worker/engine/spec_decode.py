@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.sampler import RowParams, exponential_noise
+from worker.engine.sampler import RowParams, exponential_noise
 
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,

@@ -2,18 +2,18 @@
 from __future__ import annotations
 
 from worker.config import EngineConfig
-from worker.device import Device
-from worker.ledger import Ledger
-from worker.memory_plan import (
+from worker.engine.model_runner import ModelRunner
+from worker.engine.profile_run import profile_blocks, run_worst_case
+from worker.memory.device import Device
+from worker.memory.ledger import Ledger
+from worker.memory.plan import (
     CUDA_DEFAULT_UTILIZATION,
     budget_bytes,
     check_free_memory,
     max_usable_kv_bytes,
     plan_kv_blocks,
 )
-from worker.model_runner import ModelRunner
-from worker.profile_run import profile_blocks, run_worst_case
-from worker.profiler import MemorySnapshot, profile_window
+from worker.memory.profiler import MemorySnapshot, profile_window
 
 
 def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledger: Ledger) -> int:

@@ -1,0 +1,1 @@
+"""Request in, tokens out: scheduling, speculative decoding, sampling, and sizing its own KV cache."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API, the engine loop that feeds it, and the Prometheus metrics."""
