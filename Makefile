@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps run test bench
+.PHONY: setup system-deps run test bench vllm-venv
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,3 +23,9 @@ run: setup system-deps
 
 test: setup system-deps
 	$(PY) -m pytest -q tests
+
+# vLLM's CPU build in a venv of its own (VLLM_VENV, default .venv-vllm): the peer in bench/ and the
+# vLLM end-to-end tests, which run when it exists and are skipped, saying why, when it does not.
+VLLM_VENV ?= .venv-vllm
+vllm-venv:
+	VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_venv.sh

