@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import psutil
@@ -15,6 +16,18 @@ import psutil
 
 class NotFound(LookupError):
     """No process could be found; the message says why (and what to pass instead)."""
+
+
+class Locator(Protocol):
+    """How an engine's processes are found (by port here; a cluster may know them otherwise)."""
+
+    def pids(self) -> frozenset[int]:
+        """Host pids of every process of the engine; raises NotFound, saying why, when there is none."""
+        ...
+
+    def forget(self) -> None:
+        """The engine stopped answering: find its processes anew next time."""
+        ...
 
 
 # --- by port ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from exporter.engines.base import Engine, EngineInfo, EngineState
 from exporter.engines.vllm import VllmEngine
 from exporter.engines.vramledger import VramledgerEngine
 from exporter.errors import ErrorLog
+from exporter.processes import PortLocator
 
 __all__ = ["Engine", "EngineInfo", "EngineState", "Engines", "VllmEngine", "VramledgerEngine", "parse_vllm_arg"]
 
@@ -43,7 +44,7 @@ class Engines:
         # trust_env=False: a proxy from the environment must not sit between the exporter and its engines.
         client = httpx.Client(timeout=timeout, trust_env=False)
         engines: list[Engine] = [VramledgerEngine(url, client, errors) for url in workers]
-        engines += [VllmEngine(url, client, errors, pid) for url, pid in map(parse_vllm_arg, vllms)]
+        engines += [VllmEngine(url, client, errors, PortLocator(url, pid)) for url, pid in map(parse_vllm_arg, vllms)]
         return cls(engines, errors, client)
 
     def read(self) -> dict[str, EngineState | None]:

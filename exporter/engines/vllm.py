@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.engines.base import EngineInfo, EngineState
 from exporter.errors import ErrorLog
-from exporter.processes import NotFound, PortLocator
+from exporter.processes import Locator, NotFound, PortLocator
 
 KIND = "vllm"
 SOURCE = "vllm"
@@ -96,11 +96,11 @@ class VllmEngine:
     """
     kind, source = KIND, SOURCE
 
-    def __init__(self, url: str, client: httpx.Client, errors: ErrorLog, pid: int | None = None):
+    def __init__(self, url: str, client: httpx.Client, errors: ErrorLog, locator: Locator | None = None):
         self.url = url.rstrip("/")
         self._client = client
         self._errors = errors
-        self._locator = PortLocator(self.url, pid)
+        self._locator = locator or PortLocator(self.url)
         self._version: str | None = None
 
     def read(self) -> EngineState | None:
