@@ -34,8 +34,8 @@ GAUGES = {
                                ("worker", "engine", "version", "model")),
     "vramledger_worker_kv_cache_usage_ratio": ("Fraction of the worker's KV cache in use.", ("worker",)),
     "vramledger_worker_declared_memory_bytes": (
-        "Memory the worker declares: its ledger's declared_bytes; for vLLM gpu_memory_utilization x the "
-        "total of each device it uses, summed.", ("worker",)),
+        ("Memory the worker declares: its ledger's declared_bytes; for vLLM gpu_memory_utilization x the "
+         "total of each device it uses, summed."), ("worker",)),
     "vramledger_worker_observed_memory_bytes": ("Memory the device observes for the worker's processes.",
                                                 ("worker", "device")),
     "vramledger_worker_unaccounted_memory_bytes": ("max(0, observed - declared): memory the ledger misses.",

@@ -17,7 +17,7 @@ from test_exporter_host import HOLD, PY, MiB, find, one, read_line, scrape, spaw
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-import vllm_peer  # noqa: E402
+import vllm_peer
 
 pytestmark = pytest.mark.skipif(vllm_peer.vllm_python() is None,
                                 reason="no vLLM venv (VLLM_VENV or .venv-vllm): run `make vllm-venv`")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -75,9 +74,11 @@ def test_data_parallel_engines_are_summed_and_the_fullest_kv_cache_wins():
     assert (metrics.spec_decode_drafts, metrics.requests_running, metrics.kv_usage) == (16.0, 0.0, 0.5)
 
 
-def test_garbage_is_no_metrics_text():
+def test_garbage_or_another_server_is_no_vllm_text():
     with pytest.raises(ValueError):
         parse_metrics("vllm:kv_cache_usage_perc{engine=0 oops\n")
+    with pytest.raises(ValueError, match="not a vLLM server"):  # e.g. --vllm pointed at our worker
+        parse_metrics('vramledger_kv_cache_usage_ratio 0.5\nvramledger_worker_info{version="0.1.0"} 1.0\n')
 
 
 # --- the process tree of a server, found by its port ------------------------------------------
@@ -155,7 +156,7 @@ def test_an_unreachable_process_is_an_error_and_an_explicit_pid_is_the_way_out(s
 # --- tensor parallelism 2 over a fake NVML ----------------------------------------------------
 
 def test_tensor_parallel_2_one_rank_over_its_budget_and_a_foreign_process(monkeypatch, spawn, tmp_path):  # noqa: F811
-    api, core, (rank0, rank1), url = start_tree(spawn, gpu_text(), tmp_path, ranks=2)
+    _, core, (rank0, rank1), url = start_tree(spawn, gpu_text(), tmp_path, ranks=2)
     ours = "http://worker-0:8000"
     # vLLM at 0.9 on two 80 GiB GPUs: ceil(0.9 x 80 GiB) = 77309411328 bytes per device. Rank 0 holds
     # 2 GiB more (a draft loaded after profiling, say); rank 1 stays inside; a trainer shares GPU 1,
@@ -165,7 +166,7 @@ def test_tensor_parallel_2_one_rank_over_its_budget_and_a_foreign_process(monkey
                     processes=[proc(rank1, "VLLM::Worker_TP1", 70), proc(999, "trainer", 5.5),
                                proc(4242, "python3", 3.5)])]
     client = httpx.Client(timeout=5, trust_env=False)
-    registry, fake = exporter(monkeypatch, gpus, {ours: ledger_doc(4242, 3 * GiB)},
+    registry, _ = exporter(monkeypatch, gpus, {ours: ledger_doc(4242, 3 * GiB)},
                               engines=[lambda errors: VllmEngine(url, client, errors)])
     budget = 77309411328
     assert budget == -(-9 * 80 * GiB // 10)
@@ -201,7 +202,7 @@ def test_tensor_parallel_2_one_rank_over_its_budget_and_a_foreign_process(monkey
 
 def test_an_explicit_kv_size_declares_nothing_but_attributes(monkeypatch, spawn, tmp_path):  # noqa: F811
     text = gpu_text().replace('kv_cache_memory_bytes="None"', 'kv_cache_memory_bytes="21474836480"')
-    api, core, [rank], url = start_tree(spawn, text, tmp_path)
+    *_, [rank], url = start_tree(spawn, text, tmp_path)
     gpus = [FakeGpu("GPU-0", allocated=31 * GiB, processes=[proc(rank, "VLLM::Worker", 30)])]
     client = httpx.Client(timeout=5, trust_env=False)
     registry, _ = exporter(monkeypatch, gpus, {}, engines=[lambda errors: VllmEngine(url, client, errors)])

@@ -45,8 +45,13 @@ class VllmMetrics:
 
 
 def parse_metrics(text: str) -> VllmMetrics:
-    """Parses a vLLM /metrics text (with prometheus_client's parser); series vLLM lacks stay None."""
+    """Parses a vLLM /metrics text (with prometheus_client's parser); series vLLM lacks stay None.
+
+    A data-parallel server serves one series per engine: counts are summed, and its KV usage is
+    the fullest engine's (the one that queues first).
+    """
     sums: dict[str, float] = {}
+    kv: list[float] = []
     config: dict[str, str] = {}
     model = ""
     for family in text_string_to_metric_families(text):
@@ -54,19 +59,20 @@ def parse_metrics(text: str) -> VllmMetrics:
             model = model or sample.labels.get("model_name", "")
             if sample.name == "vllm:cache_config_info":
                 config = sample.labels
-            elif sample.name in _SUMMED:  # one series per engine (data parallelism): summed
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
             elif sample.name == "vllm:kv_cache_usage_perc":
-                sums.setdefault("kv", []).append(sample.value)
-    kv = sums.pop("kv", None)
+                kv.append(sample.value)
+            elif sample.name in _SUMMED:
+                sums[_SUMMED[sample.name]] = sums.get(_SUMMED[sample.name], 0.0) + sample.value
+    if not config:
+        raise ValueError("no vllm:cache_config_info series: not a vLLM server's /metrics")
     return VllmMetrics(
         model=model,
         gpu_memory_utilization=_number(config.get("gpu_memory_utilization"), float),
         kv_cache_memory_bytes=_number(config.get("kv_cache_memory_bytes"), int),
         num_gpu_blocks=_number(config.get("num_gpu_blocks"), int),
         block_size=_number(config.get("block_size"), int),
-        kv_usage=None if not kv else max(kv),
-        **{field: sums.get(name) for name, field in _SUMMED.items()})
+        kv_usage=max(kv, default=None),
+        **sums)
 
 
 # vLLM series -> VllmMetrics field (counters appear with their _total sample name).
