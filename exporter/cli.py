@@ -53,10 +53,10 @@ def _vllm(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m exporter",
-                                description="vramledger sidecar: joins device memory with what each engine declares.")
+    p = argparse.ArgumentParser(prog="python -m exporter", description=(
+        "vramledger sidecar: joins device memory with what each engine (vramledger, vLLM) declares."))
     p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="base URL of a vramledger worker whose GET /v1/memory is read each scrape (repeatable)")
+                   help="base URL of a vramledger worker, its GET /v1/memory read each scrape (repeatable)")
     p.add_argument("--vllm", action="append", default=[], metavar="URL[=PID]", type=_vllm,
                    help="base URL of a vLLM server whose /metrics is read each scrape (repeatable); its "
                         "processes are found by the port it listens on, or from PID (its API server) when "

@@ -80,7 +80,8 @@ class ExporterCollector(Collector):
         states: dict[str, EngineState] = {url: state for url, state in read.items() if state is not None}
         pids = frozenset(pid for state in states.values() for pid in state.pids)
         devices = self._guard(self._source.name, lambda: self._source.read(pids), [])
-        joined = self._guard("exporter", lambda: attribute(devices, states, self._max_processes), Attribution())
+        joined = self._guard("exporter", lambda: attribute(devices, states, self._max_processes),
+                             Attribution())
         self._add_devices(gauges, devices)
         self._add_attribution(gauges, joined)
         for url in self._engines.urls:
@@ -131,7 +132,7 @@ class ExporterCollector(Collector):
                                                                                 w.unaccounted)
 
     def _errors_family(self) -> CounterMetricFamily:
-        family = CounterMetricFamily(ERRORS, "Errors while reading a source (nvml, host, worker, vllm), by source.",
+        family = CounterMetricFamily(ERRORS, "Errors while reading a source (nvml, host, worker, vllm).",
                                      labels=("source",))
         counts = dict.fromkeys(self._sources, 0) | self._errors.counts()
         for source, count in sorted(counts.items()):

@@ -48,7 +48,8 @@ def gpu_text(utilization: str = "0.9", kv_usage: str = "0.4375") -> str:
 
 def test_a_gpu_budget_is_its_utilization_share():
     metrics = parse_metrics(gpu_text())
-    assert (metrics.gpu_memory_utilization, metrics.kv_cache_memory_bytes, metrics.kv_usage) == (0.9, None, 0.4375)
+    assert (metrics.gpu_memory_utilization, metrics.kv_cache_memory_bytes) == (0.9, None)
+    assert metrics.kv_usage == 0.4375
     assert metrics.declared_share == 0.9
 
 
@@ -133,7 +134,14 @@ def test_the_vllm_argument():
         build_parser().parse_args(["--vllm", "http://a:8000=0"])
 
 
-def test_an_unreachable_process_is_an_error_and_an_explicit_pid_is_the_way_out(spawn, tmp_path, caplog):  # noqa: F811
+def test_one_url_is_watched_once():
+    argv = ["--backend", "host", "--port", "0", "--worker", "http://a:8000", "--vllm", "http://a:8000/=12"]
+    done = subprocess.run([PY, "-m", "exporter", *argv], cwd=HERE.parent, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and "watched twice: http://a:8000" in done.stderr
+
+
+def test_a_hidden_process_is_an_error_and_an_explicit_pid_the_way_out(spawn, tmp_path, caplog):  # noqa: F811
     api, core, [rank], url = start_tree(spawn, RECORDED.read_text(), tmp_path)
     port = url_address(url)[1]
     errors = ErrorLog()
@@ -155,7 +163,7 @@ def test_an_unreachable_process_is_an_error_and_an_explicit_pid_is_the_way_out(s
 
 # --- tensor parallelism 2 over a fake NVML ----------------------------------------------------
 
-def test_tensor_parallel_2_one_rank_over_its_budget_and_a_foreign_process(monkeypatch, spawn, tmp_path):  # noqa: F811
+def test_tensor_parallel_2_a_rank_over_budget_a_foreign_process(monkeypatch, spawn, tmp_path):  # noqa: F811
     _, core, (rank0, rank1), url = start_tree(spawn, gpu_text(), tmp_path, ranks=2)
     ours = "http://worker-0:8000"
     # vLLM at 0.9 on two 80 GiB GPUs: ceil(0.9 x 80 GiB) = 77309411328 bytes per device. Rank 0 holds

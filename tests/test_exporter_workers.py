@@ -1,4 +1,4 @@
-"""Our worker's adapter: ledger reading over real sockets, ledger validation, pid mapping, the command line."""
+"""Our worker's adapter: ledger reads over real sockets, ledger validation, pid mapping, the command line."""
 from __future__ import annotations
 
 import json

@@ -11,7 +11,8 @@ from exporter.engines.vramledger import VramledgerEngine
 from exporter.errors import ErrorLog
 from exporter.processes import PortLocator
 
-__all__ = ["Engine", "EngineInfo", "EngineState", "Engines", "VllmEngine", "VramledgerEngine", "parse_vllm_arg"]
+__all__ = ["Engine", "EngineInfo", "EngineState", "Engines", "VllmEngine", "VramledgerEngine",
+           "parse_vllm_arg"]
 
 
 def parse_vllm_arg(text: str) -> tuple[str, int | None]:
@@ -44,7 +45,8 @@ class Engines:
         # trust_env=False: a proxy from the environment must not sit between the exporter and its engines.
         client = httpx.Client(timeout=timeout, trust_env=False)
         engines: list[Engine] = [VramledgerEngine(url, client, errors) for url in workers]
-        engines += [VllmEngine(url, client, errors, PortLocator(url, pid)) for url, pid in map(parse_vllm_arg, vllms)]
+        for url, pid in map(parse_vllm_arg, vllms):
+            engines.append(VllmEngine(url, client, errors, PortLocator(url, pid)))
         return cls(engines, errors, client)
 
     def read(self) -> dict[str, EngineState | None]:

@@ -145,9 +145,9 @@ class VllmEngine:
                 response = self._client.get(self.url + "/version")
                 response.raise_for_status()
                 self._version = str(response.json().get("version", ""))
-            except (httpx.HTTPError, ValueError, AttributeError) as e:
+            except (httpx.HTTPError, ValueError, AttributeError) as e:  # only the label is lost
                 self._errors.note(SOURCE, f"no_version {self.url}", f"{self.url}/version: {e}")
-                return ""
+                self._version = ""
         return self._version
 
     def _fail(self, kind: str, error: Exception, count: bool) -> None:

@@ -81,7 +81,8 @@ class VramledgerEngine:
     """
     kind, source = KIND, SOURCE
 
-    def __init__(self, url: str, client: httpx.Client, errors: ErrorLog, resolver: HostPidResolver | None = None):
+    def __init__(self, url: str, client: httpx.Client, errors: ErrorLog,
+                 resolver: HostPidResolver | None = None):
         self.url = url.rstrip("/")
         self._client = client
         self._errors = errors
