@@ -77,13 +77,14 @@ def listening_pid(url: str) -> int:
         raise NotFound(f"no permission to list sockets ({e}); give the pid (--vllm URL=PID)") from e
     listeners = {c.pid for c in connections if c.status == psutil.CONN_LISTEN and c.laddr
                  and c.laddr.port == port and _serves(c.laddr.ip, targets)}
-    if None in listeners:  # a socket whose owner /proc hides from us
+    visible = listeners - {None}
+    if not visible and listeners:  # a socket whose owner /proc hides from us
         raise NotFound(f"port {port} is open but its process is not visible (permissions, or another pid "
                        "namespace); give its pid (--vllm URL=PID)")
-    if not listeners:
+    if not visible:
         raise NotFound(f"no process listens on port {port}")
     # Several processes may share one listening socket (forked servers): the oldest is the parent.
-    return min(listeners, key=_create_time)
+    return min(visible, key=_create_time)
 
 
 def _create_time(pid: int) -> float:
@@ -126,7 +127,11 @@ class PortLocator:
         if self._pid is None or _create_time(self._pid) != self._created:  # gone, or the pid reused
             self._pid = listening_pid(self.url)
             self._created = _create_time(self._pid)
-        return process_tree(self._pid)
+        tree = process_tree(self._pid)
+        if not tree:
+            self.forget()
+            raise NotFound(f"the process listening on {self.url} exited")
+        return tree
 
     def forget(self) -> None:
         """The server stopped answering: look for its process again at the next read."""

@@ -102,7 +102,14 @@ def test_the_listening_process_and_its_descendants(spawn, tmp_path):  # noqa: F8
     api, core, ranks, url = start_tree(spawn, RECORDED.read_text(), tmp_path, ranks=2)
     assert listening_pid(url) == api
     assert process_tree(api) == {api, core, *ranks}
-    assert PortLocator(url).pids() == {api, core, *ranks}
+    locator = PortLocator(url)
+    assert locator.pids() == {api, core, *ranks}
+    # The server exits (its children with it): the locator looks again, and says why it finds none.
+    [server] = [p for p in psutil.Process().children() if p.pid == api]
+    server.kill()
+    server.wait(timeout=10)  # reaped, so the pid is free
+    with pytest.raises(NotFound, match=f"no process listens on port {url_address(url)[1]}"):
+        locator.pids()
 
 
 def test_a_server_on_every_address_is_found_through_any_local_one(spawn, tmp_path):  # noqa: F811
