@@ -38,7 +38,7 @@ GAUGES = {
          "total of each device it uses, summed."), ("worker",)),
     "vramledger_worker_observed_memory_bytes": ("Memory the device observes for the worker's processes.",
                                                 ("worker", "device")),
-    "vramledger_worker_unaccounted_memory_bytes": ("max(0, observed - declared): memory the ledger misses.",
+    "vramledger_worker_unaccounted_memory_bytes": ("max(0, observed - declared) on a device: undeclared memory.",
                                                    ("worker", "device")),
 }
 ERRORS = "vramledger_exporter_errors"
