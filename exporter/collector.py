@@ -38,8 +38,9 @@ GAUGES = {
          "total of each device it uses, summed."), ("worker",)),
     "vramledger_worker_observed_memory_bytes": ("Memory the device observes for the worker's processes.",
                                                 ("worker", "device")),
-    "vramledger_worker_unaccounted_memory_bytes": ("max(0, observed - declared) on a device: undeclared memory.",
-                                                   ("worker", "device")),
+    "vramledger_worker_unaccounted_memory_bytes": (
+        "max(0, observed - declared) on a device: memory the worker holds but does not declare.",
+        ("worker", "device")),
 }
 ERRORS = "vramledger_exporter_errors"
 COLLECT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0)
