@@ -21,7 +21,9 @@ system-deps:
 run: setup system-deps
 	$(PY) scripts/local_stack.py
 
+# The tests that run a real vLLM need its venv; when it cannot be built they are skipped and say why.
 test: setup system-deps
+	-$(MAKE) --no-print-directory vllm-venv
 	$(PY) -m pytest -q tests
 
 # vLLM's CPU build in a venv of its own (VLLM_VENV, default .venv-vllm): the peer in bench/ and the
