@@ -7,7 +7,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Higher layers may import lower ones, never the reverse. config is plain settings: anyone may read it.
 LAYERS = {"worker.cli": 3, "worker.__main__": 4, "worker.http": 2, "worker.engine": 1,
-          "worker.memory": 0, "worker.models": 0}
+          "worker.memory": 0, "worker.models": 0,
+          # a top-level command beside serve: it starts worker and exporter processes, imports only
+          # memory, and is imported by cli (a command's package sits just below the cli that names it)
+          "worker.selfcheck": 2.5}
 SHARED = {"worker.config"}
 
 

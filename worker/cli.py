@@ -1,4 +1,4 @@
-"""`python -m worker serve | profile | generate`."""
+"""`python -m worker serve | profile | generate | selfcheck`."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import sys
 
 from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
 from worker.memory.plan import parse_size  # its SizeError is an ArgumentTypeError too
+from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", dest="request_seed", type=int, default=None, help="sampling seed")
     gen.set_defaults(run=run_generate)
+
+    check = sub.add_parser("selfcheck", help="prove the ledger on this device: start workers and neighbours, "
+                                             "replay the seed scenarios, print pass/fail")
+    add_selfcheck_flags(check)
+    check.set_defaults(run=run_selfcheck)
     return parser
 
 
@@ -107,6 +113,12 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"-- acceptance rate {s.acceptance_rate:.3f}, mean acceptance length "
               f"{s.mean_acceptance_length:.2f} (k={engine.k})", file=sys.stderr)
     return 0
+
+
+def run_selfcheck(args: argparse.Namespace) -> int:
+    from worker.selfcheck.run import main as selfcheck
+
+    return selfcheck(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,73 @@
+"""Scenario 2, seed 000 (the draft counts): the same budget with and without the draft. The KV cache
+shrinks by the draft's weights plus the draft's share of every block; then the draft run under full
+load stays inside its budget. The draft's size comes from its checkpoint, not from the ledger."""
+from __future__ import annotations
+
+from worker.selfcheck.checkpoints import kv_bytes_per_block, weight_bytes
+from worker.selfcheck.context import Context
+from worker.selfcheck.report import Check, ScenarioResult, size
+from worker.selfcheck.scenario_ledger import entry, peak_checks
+from worker.selfcheck.workers import WorkerProcess
+
+TITLE = "the draft counts (seed 000)"
+TOLERANCE = 0.02
+# Entries both runs have: what differs in them is the draft's other costs (its activations, its loader).
+SHARED = ("runtime", "activation_peak", "non_torch", "cuda_graph")
+
+
+def within(measured: float, expected: float, tolerance: float = TOLERANCE) -> bool:
+    return abs(measured - expected) <= tolerance * abs(expected)
+
+
+def run(ctx: Context, result: ScenarioResult) -> None:
+    s = ctx.scale
+    kv_plain = s.no_draft_kv_bytes()
+    ctx.say(f"scenario 2: without the draft, a {size(kv_plain)} KV cache sets the budget")
+    plain_flags = s.engine_flags(draft=False) + ["--kv-cache-memory", str(kv_plain)]
+    with ctx.worker("s2-no-draft", plain_flags) as plain:
+        base = plain.ledger()
+    budget = base["budget"]["bytes"]
+    share = budget / base["device"]["total_bytes"]
+    ctx.say(f"scenario 2: with the draft, the same budget {size(budget)} (--memory-utilization {share:.6g})")
+    with ctx.worker("s2-draft", s.engine_flags(draft=True) + ["--memory-utilization", repr(share)]) as spec:
+        check_draft_run(ctx, result, base, spec)
+
+
+def check_draft_run(ctx: Context, result: ScenarioResult, base: dict, spec: WorkerProcess) -> None:
+    s, budget = ctx.scale, base["budget"]["bytes"]
+    mine = spec.ledger()
+
+    # What the draft should cost, from its checkpoint and config.
+    draft_weights = weight_bytes(s.draft_model, s.element_bytes)
+    target_block = kv_bytes_per_block(s.model, s.block_size, s.element_bytes)
+    draft_block = kv_bytes_per_block(s.draft_model, s.block_size, s.element_bytes)
+    result.add(Check.compare("same budget", within(mine["budget"]["bytes"], budget, 0.001),
+                             size(mine["budget"]["bytes"]), f"{size(budget)} (the run without the draft)",
+                             budget_bytes=mine["budget"]["bytes"], expected_bytes=budget))
+    declared_weights = entry(mine, "weights", "draft")
+    result.add(Check.compare("draft weights in the ledger", within(declared_weights, draft_weights),
+                             size(declared_weights), f"{size(draft_weights)} (checkpoint) ±{TOLERANCE:.0%}",
+                             measured_bytes=declared_weights, expected_bytes=draft_weights))
+    block = mine["kv_cache"]["bytes_per_block"]
+    result.add(Check.compare("KV bytes per block", within(block, target_block + draft_block), size(block),
+                             f"target {size(target_block)} + draft {size(draft_block)}", measured_bytes=block,
+                             expected_bytes=target_block + draft_block))
+
+    # Same budget: the KV cache loses the draft's weights and its other measured costs, and what is
+    # left is split into blocks that hold the draft's layers too.
+    other = sum(entry(mine, c) - entry(base, c) for c in SHARED)
+    other += entry(mine, "weights", "target") - entry(base, "weights", "target")
+    left = entry(base, "kv_cache") + (mine["budget"]["bytes"] - budget) - draft_weights - other
+    expected_blocks = left / (target_block + draft_block)
+    blocks = mine["kv_cache"]["blocks_total"]
+    result.add(Check.compare(
+        "KV blocks with the draft", within(blocks, expected_blocks),
+        f"{blocks} blocks (without the draft: {base['kv_cache']['blocks_total']})",
+        f"({size(entry(base, 'kv_cache'))} KV - {size(draft_weights)} draft weights - {size(other)} other "
+        f"draft costs) / {size(target_block + draft_block)} = {expected_blocks:.1f} ±{TOLERANCE:.0%}",
+        measured_blocks=blocks, expected_blocks=expected_blocks,
+        blocks_without_draft=base["kv_cache"]["blocks_total"], draft_weights_bytes=draft_weights,
+        other_draft_bytes=other))
+
+    ctx.say(f"scenario 2: full load on the draft run ({s.max_num_seqs} requests to {s.max_model_len})")
+    peak_checks(ctx, spec, mine, result, gap=False)
