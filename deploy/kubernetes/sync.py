@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     stale = [path for path, text in wanted().items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:
-            print(f"out of date: {path.relative_to(ROOT)} (run python deploy/kubernetes/sync.py)", file=sys.stderr)
+            print(f"out of date: {path.relative_to(ROOT)} (run python deploy/kubernetes/sync.py)",
+                  file=sys.stderr)
         return 1 if stale else 0
     for path in stale:
         path.parent.mkdir(parents=True, exist_ok=True)
