@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from exporter.cgroups import CgroupIdentity, strip_runtime
+from exporter.cgroups import CgroupIdentity, read_cgroup, strip_runtime
 from exporter.errors import ErrorLog
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class PodDirectory:
     """This node's pods, listed through the API and cached; resolves cgroup identities to pod labels."""
 
     def __init__(self, api, node_name: str, errors: ErrorLog, *, max_age: float = 30.0,
-                 min_interval: float = 5.0, timeout: float = 2.0, clock=time.monotonic):
+                 min_interval: float = 5.0, timeout: float = 2.0, clock=time.monotonic,
+                 proc_root: str = "/proc"):
         if not node_name:
             raise ValueError("the node name is empty: set NODE_NAME from the downward API (spec.nodeName)")
         self._api = api  # a kubernetes.client.CoreV1Api
@@ -72,6 +73,7 @@ class PodDirectory:
         self._errors = errors
         self._max_age, self._min_interval, self._timeout = max_age, min_interval, timeout
         self._clock = clock
+        self._proc_root = proc_root  # the host's /proc: the exporter runs with hostPID
         self._lock = threading.Lock()  # scrapes may run concurrently
         self._pods: dict[str, _Pod] = {}  # by UID
         self._listed_at: float | None = None  # None: no good list (never, or the last one failed)
@@ -90,6 +92,12 @@ class PodDirectory:
         return cls(client.CoreV1Api(), node_name, errors, **kwargs)
 
     # -- queries ---------------------------------------------------------------------------
+    def labels_of_pid(self, pid: int | str) -> PodLabels:
+        """The pod behind a host pid (as NVML reports it); NO_POD for "other" or a process in no pod."""
+        if not str(pid).isdigit():
+            return NO_POD
+        return self.labels(read_cgroup(int(pid), self._proc_root))
+
     def labels(self, identity: CgroupIdentity | None) -> PodLabels:
         """The pod behind a process's cgroup identity; NO_POD when it is in none, or none we know."""
         if identity is None or identity.pod_uid is None:

@@ -40,11 +40,11 @@ def clock():
     return Clock()
 
 
-def directory(api: KubeAPI, clock: Clock, errors: ErrorLog | None = None) -> PodDirectory:
+def directory(api: KubeAPI, clock: Clock, errors: ErrorLog | None = None, proc_root="/proc") -> PodDirectory:
     config = client.Configuration(host=api.url)
     config.retries = 0  # an API that is down fails at once
     return PodDirectory(client.CoreV1Api(client.ApiClient(config)), NODE, errors or ErrorLog(), max_age=30,
-                        min_interval=5, timeout=2, clock=clock)
+                        min_interval=5, timeout=2, clock=clock, proc_root=proc_root)
 
 
 def identity_of(p: dict, container: str) -> CgroupIdentity:
@@ -201,3 +201,14 @@ def test_connect_reads_a_kubeconfig_outside_a_cluster(api, worker_pod, tmp_path,
 def test_an_empty_node_name_is_refused():
     with pytest.raises(ValueError, match="NODE_NAME"):
         PodDirectory(None, "", ErrorLog())
+
+
+def test_a_host_pid_is_named_through_its_cgroup_file(api, clock, worker_pod, tmp_path):
+    uid = worker_pod["metadata"]["uid"]
+    (tmp_path / "48213").mkdir()
+    (tmp_path / "48213" / "cgroup").write_text(f"0::/kubepods/burstable/pod{uid}/{CID['worker']}\n")
+    pods = directory(api, clock, proc_root=tmp_path)  # a /proc tree holding just that process
+    assert pods.labels_of_pid(48213) == PodLabels("inference", "vramledger-worker-5f7d8", "worker")
+    assert pods.labels_of_pid("48213") == pods.labels_of_pid(48213)
+    assert pods.labels_of_pid(48214) == NO_POD  # exited
+    assert pods.labels_of_pid("other") == NO_POD  # the sum of the smallest processes
