@@ -29,8 +29,6 @@ def test_idle_exporter_exits_0_on_sigterm(spawn, tmp_path):  # noqa: F811
     assert proc.wait(timeout=PROMPT) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="exporter/cli.py waits for the ledger pool's threads at exit "
-                   "(fix pending the exporter restructure)")
 def test_exporter_exits_promptly_during_a_stuck_scrape(spawn, tmp_path):  # noqa: F811
     listeners = [silent_listener() for _ in range(2)]
     args = ["--backend", "host", "--worker-timeout", "600"]
