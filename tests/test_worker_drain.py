@@ -113,8 +113,9 @@ def test_requests_still_running_at_the_drain_timeout_are_aborted(gated_worker):
         results["plain"] = httpx.post(url + "/v1/completions", json=request(model, stream=False, max_tokens=64),
                                       timeout=60)
 
+    streamed = {**request(model, stream=True, max_tokens=64), "stream_options": {"include_usage": True}}
     with httpx.Client(timeout=60) as client, \
-            client.stream("POST", url + "/v1/completions", json=request(model, stream=True, max_tokens=64)) as stream:
+            client.stream("POST", url + "/v1/completions", json=streamed) as stream:
         client.post(url + "/test/steps", params={"n": 1})
         received = events(stream.iter_lines())
         first = json.loads(next(received))
@@ -127,9 +128,11 @@ def test_requests_still_running_at_the_drain_timeout_are_aborted(gated_worker):
         rest = [doc for doc in received]
     plain.join(timeout=60)
     assert rest[-1] == "[DONE]"
-    last = json.loads(rest[-2])
-    assert last["choices"][0]["finish_reason"] == "abort"
-    assert len(first["choices"][0]["token_ids"]) >= 1
+    chunks = [first] + [json.loads(doc) for doc in rest[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    delivered = sum(len(c["choices"][0]["token_ids"]) for c in chunks)
+    assert 1 <= delivered < 64
+    assert json.loads(rest[-2])["usage"]["completion_tokens"] == delivered  # usage counts what was sent
     assert results["plain"].status_code == 200
     assert results["plain"].json()["choices"][0]["finish_reason"] == "abort"
     assert proc.wait(timeout=60) == 0

@@ -16,6 +16,7 @@ import time
 
 import uvicorn
 
+from worker.http.api_models import error_body
 from worker.http.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,8 @@ class DrainGate:
 
 
 async def _send_503(send, status: str | None, message: str, code: str) -> None:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    if status is not None:
+    body = error_body(message, "server_error", None, code)
+    if status is not None:  # /health's shape: {"status": ..., "error": ...}
         body = {"status": status, **body}
     payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": 503,

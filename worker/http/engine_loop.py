@@ -82,7 +82,9 @@ class EngineLoop:
         for request_id in request_ids:
             stream = self._streams[request_id]
             tokens = self._output_tokens.get(request_id, 0)
-            last = RequestOutput(request_id, [], "", True, reason, 0, tokens, 0, 0)
+            last = RequestOutput(request_id, new_token_ids=[], text="", finished=True, finish_reason=reason,
+                                 num_prompt_tokens=0, num_output_tokens=tokens, num_draft_tokens=0,
+                                 num_accepted_tokens=0)
             self.abort(request_id)
             stream.put_nowait(last)
         return len(request_ids)
