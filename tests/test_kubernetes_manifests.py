@@ -327,3 +327,19 @@ def test_sidecar_overlay_runs_the_exporter_in_the_worker_pod(sidecar):
     policy = one(sidecar, "NetworkPolicy", "vramledger-worker")
     assert ingress_sources(policy, 8000) == [CLIENT, PROMETHEUS]
     assert ingress_sources(policy, 9400) == [PROMETHEUS]
+
+
+def test_worker_meets_the_restricted_pod_security_level(base):
+    # What Pod Security's "restricted" level checks, for the worker's pod.
+    pod = one(base, "Deployment")["spec"]["template"]["spec"]
+    assert not any(pod.get(k) for k in ("hostPID", "hostIPC", "hostNetwork"))
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert all(set(v) - {"name"} <= {"emptyDir", "configMap", "secret", "persistentVolumeClaim", "projected"}
+               for v in pod["volumes"])
+    for c in pod["containers"]:
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert not c.get("ports") or all("hostPort" not in p for p in c["ports"])
+    # The exporter's hostPID is what the namespace admits explicitly.
+    assert one(base, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
