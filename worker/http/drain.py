@@ -36,6 +36,7 @@ class Drain:
         self.in_flight = 0  # generation requests admitted and not yet answered in full
         self.aborted = 0
         self._deadline = 0.0
+        self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference
 
     def begin(self, on_drained) -> None:
         """Start draining (on the event loop); `on_drained()` runs once nothing is left in flight."""
@@ -45,7 +46,7 @@ class Drain:
         self._deadline = time.monotonic() + self.timeout
         log.info("SIGTERM: draining %d running request(s) for up to %.0f s; new requests get 503",
                  self.in_flight, self.timeout)
-        asyncio.ensure_future(self._wait(on_drained))
+        self._task = asyncio.ensure_future(self._wait(on_drained))
 
     def hurry(self) -> None:
         """A second SIGTERM: end the drain now."""
