@@ -1,4 +1,4 @@
-"""Command line of the sidecar: python -m exporter --worker URL [--worker URL ...]."""
+"""Command line of the sidecar: python -m exporter --worker URL ... --vllm URL[=PID] ..."""
 from __future__ import annotations
 
 import argparse
@@ -12,9 +12,9 @@ import threading
 from prometheus_client import CollectorRegistry, start_http_server
 
 from exporter.collector import ExporterCollector
+from exporter.engines import Engines, parse_vllm_arg
 from exporter.errors import ErrorLog
 from exporter.sources import SourceUnavailable, open_source
-from exporter.workers import LedgerFetcher
 
 log = logging.getLogger("exporter")
 
@@ -44,11 +44,23 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _vllm(text: str) -> str:
+    try:
+        parse_vllm_arg(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m exporter",
-                                description="vramledger sidecar: joins device memory with worker ledgers.")
+    p = argparse.ArgumentParser(prog="python -m exporter", description=(
+        "vramledger sidecar: joins device memory with what each engine (vramledger, vLLM) declares."))
     p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="base URL of a worker whose GET /v1/memory is read each scrape (repeatable)")
+                   help="base URL of a vramledger worker, its GET /v1/memory read each scrape (repeatable)")
+    p.add_argument("--vllm", action="append", default=[], metavar="URL[=PID]", type=_vllm,
+                   help="base URL of a vLLM server whose /metrics is read each scrape (repeatable); its "
+                        "processes are found by the port it listens on, or from PID (its API server) when "
+                        "the exporter cannot see that socket (another network namespace)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve /metrics on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=9400, help="port to serve /metrics on; 0 picks a free one")
     p.add_argument("--backend", choices=("auto", "nvml", "host"), default="auto",
@@ -58,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-processes", type=_positive_int, default=32, metavar="N",
                    help="process series per device; smaller foreign ones are summed as pid=\"other\"")
     p.add_argument("--worker-timeout", type=_positive_float, default=1.0, metavar="SECONDS",
-                   help="timeout of each ledger read (default 1.0)")
+                   help="timeout of each read of a worker or vLLM server (default 1.0)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -73,24 +85,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exporter: {e}; is the NVIDIA driver installed and the GPU visible? "
               "(--backend auto falls back to the host reader)", file=sys.stderr)
         return 1
-    ledgers = LedgerFetcher(args.worker, args.worker_timeout, errors)
+    try:
+        engines = Engines.open(args.worker, args.vllm, args.worker_timeout, errors)
+    except ValueError as e:
+        print(f"exporter: {e}", file=sys.stderr)
+        source.close()
+        return 2
     registry = CollectorRegistry()
-    registry.register(ExporterCollector(source, ledgers, errors, max_processes=args.max_processes))
+    registry.register(ExporterCollector(source, engines, errors, max_processes=args.max_processes))
     # Startup objects (imports, clients) never die: freezing them keeps full collections, and so
     # scrape latency spikes, small.
     gc.freeze()
     server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
     host, port = server.server_address[:2]
-    if not args.worker:
-        log.warning("no --worker given: serving device metrics only")
-    log.info("%s reader, %d worker(s); listening on http://%s:%d/metrics",
-             source.name, len(args.worker), host, port)
+    if not engines.urls:
+        log.warning("no --worker or --vllm given: serving device metrics only")
+    log.info("%s reader, %d worker(s), %d vLLM server(s); listening on http://%s:%d/metrics",
+             source.name, len(args.worker), len(args.vllm), host, port)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.shutdown()
-    ledgers.close()
+    engines.close()
     source.close()
     return 0

@@ -1,4 +1,4 @@
-"""The exporter's prometheus_client Collector: reads devices and ledgers on each scrape."""
+"""The exporter's prometheus_client Collector: reads devices and engines on each scrape."""
 from __future__ import annotations
 
 import threading
@@ -9,11 +9,11 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.attribution import Attribution, HostPidResolver, attribute
+from exporter.attribution import Attribution, attribute
+from exporter.engines import Engines, EngineState
+from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
 from exporter.errors import ErrorLog
 from exporter.sources import DeviceMemory, Source
-from exporter.workers import SOURCE as WORKER_SOURCE
-from exporter.workers import LedgerFetcher, WorkerLedger
 
 DEVICE = ("device", "uuid")
 # name -> (help, labels); every gauge the exporter serves.
@@ -28,13 +28,19 @@ GAUGES = {
                                                DEVICE),
     "vramledger_device_unattributed_memory_bytes": (
         "Device used memory minus the memory of every process the reader can see.", DEVICE),
-    "vramledger_worker_up": ("1 when the worker's ledger (GET /v1/memory) was read, else 0.", ("worker",)),
-    "vramledger_worker_declared_memory_bytes": ("Memory the worker's ledger declares (declared_bytes).",
-                                                ("worker",)),
-    "vramledger_worker_observed_memory_bytes": ("Memory the device observes for the worker's process.",
+    "vramledger_worker_up": ("1 when the worker (its ledger, or vLLM's /metrics) was read, else 0.",
+                             ("worker",)),
+    "vramledger_worker_info": ("The engine behind each worker URL: its kind, version and model.",
+                               ("worker", "engine", "version", "model")),
+    "vramledger_worker_kv_cache_usage_ratio": ("Fraction of the worker's KV cache in use.", ("worker",)),
+    "vramledger_worker_declared_memory_bytes": (
+        ("Memory the worker declares: its ledger's declared_bytes; for vLLM gpu_memory_utilization x the "
+         "total of each device it uses, summed."), ("worker",)),
+    "vramledger_worker_observed_memory_bytes": ("Memory the device observes for the worker's processes.",
                                                 ("worker", "device")),
-    "vramledger_worker_unaccounted_memory_bytes": ("max(0, observed - declared): memory the ledger misses.",
-                                                   ("worker", "device")),
+    "vramledger_worker_unaccounted_memory_bytes": (
+        "max(0, observed - declared) on a device: memory the worker holds but does not declare.",
+        ("worker", "device")),
 }
 ERRORS = "vramledger_exporter_errors"
 COLLECT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0)
@@ -43,18 +49,17 @@ COLLECT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0
 class ExporterCollector(Collector):
     """Builds every exporter metric fresh on each scrape, so exited processes leave no series."""
 
-    def __init__(self, source: Source, ledgers: LedgerFetcher, errors: ErrorLog, *,
-                 resolver: HostPidResolver | None = None, max_processes: int = 32):
+    def __init__(self, source: Source, engines: Engines, errors: ErrorLog, *, max_processes: int = 32):
         self._source = source
-        self._ledgers = ledgers
+        self._engines = engines
         self._errors = errors
-        self._resolver = resolver or HostPidResolver()
         self._max_processes = max_processes
         self._lock = threading.Lock()  # concurrent scrapes would race on the sources' caches
         self._collect_seconds = Histogram("vramledger_exporter_collect_seconds",
-                                          "Time to read the devices and ledgers for one scrape.",
+                                          "Time to read the devices and engines for one scrape.",
                                           buckets=COLLECT_BUCKETS, registry=None)
-        self._sources = (source.name, WORKER_SOURCE, "exporter")  # served at 0 before any error
+        # Served at 0 before any error.
+        self._sources = tuple(dict.fromkeys((source.name, WORKER_SOURCE, *engines.sources, "exporter")))
 
     def describe(self) -> Iterator[Metric]:
         yield from (GaugeMetricFamily(name, doc, labels=labels) for name, (doc, labels) in GAUGES.items())
@@ -72,19 +77,25 @@ class ExporterCollector(Collector):
 
     def _build(self) -> list[Metric]:
         gauges = {name: GaugeMetricFamily(name, doc, labels=labels) for name, (doc, labels) in GAUGES.items()}
-        ledgers = self._guard(WORKER_SOURCE, self._ledgers.fetch, {})
-        worker_pids = self._guard(WORKER_SOURCE, lambda: self._worker_pids(ledgers), {})
-        devices = self._guard(self._source.name, lambda: self._source.read(frozenset(worker_pids)), [])
-        declared = {url: ledger.declared_bytes for url, ledger in ledgers.items() if ledger is not None}
-        joined = self._guard("exporter", lambda: attribute(devices, worker_pids, declared,
-                                                           self._max_processes), Attribution())
+        read = self._guard(WORKER_SOURCE, self._engines.read, {})
+        states: dict[str, EngineState] = {url: state for url, state in read.items() if state is not None}
+        pids = frozenset(pid for state in states.values() for pid in state.pids)
+        devices = self._guard(self._source.name, lambda: self._source.read(pids), [])
+        joined = self._guard("exporter", lambda: attribute(devices, states, self._max_processes),
+                             Attribution())
         self._add_devices(gauges, devices)
         self._add_attribution(gauges, joined)
-        for url in self._ledgers.urls:
-            ledger = ledgers.get(url)
-            gauges["vramledger_worker_up"].add_metric([url], 0 if ledger is None else 1)
-            if ledger is not None:
-                gauges["vramledger_worker_declared_memory_bytes"].add_metric([url], ledger.declared_bytes)
+        for url in self._engines.urls:
+            state = states.get(url)
+            gauges["vramledger_worker_up"].add_metric([url], 0 if state is None else 1)
+            if state is None:
+                continue
+            info = state.info
+            gauges["vramledger_worker_info"].add_metric([url, info.engine, info.version, info.model], 1)
+            if state.kv_usage is not None:
+                gauges["vramledger_worker_kv_cache_usage_ratio"].add_metric([url], state.kv_usage)
+            if url in joined.declared:
+                gauges["vramledger_worker_declared_memory_bytes"].add_metric([url], joined.declared[url])
         return list(gauges.values())
 
     def _guard(self, source: str, read, fallback):
@@ -94,20 +105,6 @@ class ExporterCollector(Collector):
         except Exception as e:  # noqa: BLE001 - counted and logged, never raised into the scrape
             self._errors.record(source, type(e).__name__, f"{type(e).__name__}: {e}")
             return fallback
-
-    def _worker_pids(self, ledgers: dict[str, WorkerLedger | None]) -> dict[int, str]:
-        pids = {}
-        for url, ledger in ledgers.items():
-            if ledger is None:
-                continue
-            pid = self._resolver.host_pid(ledger)
-            if pid is None:
-                self._errors.record(WORKER_SOURCE, f"pid_unresolved {url}",
-                                    f"{url}: no host process is pid {ledger.pid} of container "
-                                    f"{ledger.container_id} (is the exporter in the host pid namespace?)")
-            else:
-                pids[pid] = url
-        return pids
 
     @staticmethod
     def _add_devices(gauges: dict[str, GaugeMetricFamily], devices: list[DeviceMemory]) -> None:
@@ -131,11 +128,12 @@ class ExporterCollector(Collector):
                                                                                  d.unattributed)
         for w in joined.workers:
             gauges["vramledger_worker_observed_memory_bytes"].add_metric([w.worker, w.device], w.observed)
-            gauges["vramledger_worker_unaccounted_memory_bytes"].add_metric([w.worker, w.device],
-                                                                            w.unaccounted)
+            if w.unaccounted is not None:
+                gauges["vramledger_worker_unaccounted_memory_bytes"].add_metric([w.worker, w.device],
+                                                                                w.unaccounted)
 
     def _errors_family(self) -> CounterMetricFamily:
-        family = CounterMetricFamily(ERRORS, "Errors while reading a source (nvml, host, worker), by source.",
+        family = CounterMetricFamily(ERRORS, "Errors while reading a source (nvml, host, worker, vllm).",
                                      labels=("source",))
         counts = dict.fromkeys(self._sources, 0) | self._errors.counts()
         for source, count in sorted(counts.items()):

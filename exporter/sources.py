@@ -14,6 +14,7 @@ from exporter.errors import ErrorLog
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+HOST = "host"  # the device label of the host reader
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class HostSource:
             if mem.rss >= self._min_process_bytes or proc.pid in keep_pids:
                 processes.append(ProcessMemory(proc.pid, _psutil_name(proc.pid, proc), mem.rss))
         # used = total - available, so that used + free = total as on a GPU.
-        return [DeviceMemory("host", "", "host", vm.total, vm.total - vm.available, vm.available, None,
+        return [DeviceMemory(HOST, "", "host", vm.total, vm.total - vm.available, vm.available, None,
                              tuple(processes))]
 
     def close(self) -> None:

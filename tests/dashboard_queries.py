@@ -56,6 +56,8 @@ EXPORTER_METRICS = {
     "vramledger_device_foreign_memory_bytes": "gauge",
     "vramledger_device_unattributed_memory_bytes": "gauge",
     "vramledger_worker_up": "gauge",  # {worker}
+    "vramledger_worker_info": "gauge",  # {worker, engine, version, model}: same name as the worker's own
+    "vramledger_worker_kv_cache_usage_ratio": "gauge",  # {worker}
     "vramledger_worker_declared_memory_bytes": "gauge",  # {worker}
     "vramledger_worker_observed_memory_bytes": "gauge",  # {worker, device}
     "vramledger_worker_unaccounted_memory_bytes": "gauge",  # {worker, device}

@@ -37,7 +37,7 @@ REQUIRED_SERIES = {
         "vramledger_device_memory_used_bytes", "vramledger_device_process_memory_bytes",
         "vramledger_device_foreign_memory_bytes", "vramledger_worker_observed_memory_bytes",
         "vramledger_worker_declared_memory_bytes", "vramledger_worker_unaccounted_memory_bytes",
-        "vramledger_worker_up",
+        "vramledger_worker_up", "vramledger_worker_info", "vramledger_worker_kv_cache_usage_ratio",
     },
     "serving": {
         "vramledger_requests_running", "vramledger_requests_waiting", "vramledger_prompt_tokens_total",

@@ -5,6 +5,7 @@ import logging
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -21,11 +22,12 @@ from fake_pynvml import (
     proc,
 )
 
-from exporter.attribution import HostPidResolver
 from exporter.collector import ExporterCollector
+from exporter.engines import Engines, VramledgerEngine
+from exporter.engines.vramledger import parse_ledger
 from exporter.errors import ErrorLog
+from exporter.processes import HostPidResolver
 from exporter.sources import HostSource, NvmlSource, SourceUnavailable, open_source
-from exporter.workers import parse_ledger
 
 WORKER = "http://worker-0:8000"
 NO_ERRORS = {"nvml": 0, "worker": 0, "exporter": 0}
@@ -38,24 +40,26 @@ def ledger_doc(pid: int, declared: int, container_id: str | None = None) -> dict
             "declared_bytes": declared}
 
 
-class StaticLedgers:
-    """The ledger fetcher's interface over fixed documents (the HTTP fetcher is tested over sockets)."""
+class LedgerEngine(VramledgerEngine):
+    """Our adapter over a fixed ledger document, None = down (its HTTP reads are tested over sockets)."""
 
-    def __init__(self, docs: dict[str, dict | None]):
-        self.docs = docs
-        self.urls = list(docs)
+    def __init__(self, url: str, doc: dict | None, errors: ErrorLog, resolver: HostPidResolver | None):
+        super().__init__(url, httpx.Client(), errors, resolver)
+        self.doc = doc
 
-    def fetch(self):
-        return {url: None if doc is None else parse_ledger(url, doc) for url, doc in self.docs.items()}
+    def read(self):
+        return None if self.doc is None else self.state(parse_ledger(self.url, self.doc))
 
 
-def exporter(monkeypatch, gpus, docs, max_processes=32, resolver=None):
+def exporter(monkeypatch, gpus, docs, max_processes=32, resolver=None, engines=()):
     fake = FakePynvml(gpus)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     errors = ErrorLog()
+    watched = [LedgerEngine(url, doc, errors, resolver) for url, doc in docs.items()]
+    watched += [make(errors) for make in engines]
     registry = CollectorRegistry()
-    registry.register(ExporterCollector(NvmlSource.open(errors), StaticLedgers(docs), errors,
-                                        max_processes=max_processes, resolver=resolver))
+    registry.register(ExporterCollector(NvmlSource.open(errors), Engines(watched, errors), errors,
+                                        max_processes=max_processes))
     return registry, fake
 
 
@@ -90,13 +94,19 @@ def process(dev, uuid, pid, name, value, worker=""):
               owner="worker" if worker else "foreign", worker=worker)]
 
 
-def worker(url, declared, up=1, observed=None):
+def worker(url, declared, up=1, observed=None, engine="vramledger", version="", model="", kv=None):
+    """A worker's series; declared None = declares nothing (then no unaccounted either)."""
     out = [m("worker_up", up, worker=url)]
     if up:
+        out.append(m("worker_info", 1, worker=url, engine=engine, version=version, model=model))
+    if up and declared is not None:
         out.append(m("worker_declared_memory_bytes", declared, worker=url))
+    if up and kv is not None:
+        out.append(m("worker_kv_cache_usage_ratio", kv, worker=url))
     for dev, value in (observed or {}).items():
-        out += [m("worker_observed_memory_bytes", value, worker=url, device=dev),
-                m("worker_unaccounted_memory_bytes", max(0, value - declared), worker=url, device=dev)]
+        out.append(m("worker_observed_memory_bytes", value, worker=url, device=dev))
+        if declared is not None:
+            out.append(m("worker_unaccounted_memory_bytes", max(0, value - declared), worker=url, device=dev))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Ledger reading over real sockets, ledger validation, pid mapping and the command line."""
+"""Our worker's adapter: ledger reads over real sockets, ledger validation, pid mapping, the command line."""
 from __future__ import annotations
 
 import json
@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporter.attribution import HostPidResolver, in_container, parse_nspid
 from exporter.cli import build_parser, parse_size
 from exporter.collector import ExporterCollector
+from exporter.engines import Engines
+from exporter.engines.vramledger import LedgerError, WorkerLedger, parse_ledger
 from exporter.errors import ErrorLog
+from exporter.processes import HostPidResolver, in_container, parse_nspid
 from exporter.sources import HostSource
-from exporter.workers import LedgerError, LedgerFetcher, WorkerLedger, parse_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 TIB = 1 << 40
@@ -34,7 +35,8 @@ def documented_ledger() -> dict:
 def test_parse_the_documented_ledger():
     ledger = parse_ledger("http://w:8000", documented_ledger())
     assert ledger == WorkerLedger("http://w:8000", pid=4242, host_pid=4242, container_id=None,
-                                  device_kind="cuda", declared_bytes=70267093696)
+                                  device_kind="cuda", declared_bytes=70267093696, model="/models/target",
+                                  kv_usage=0.0)
 
 
 @pytest.mark.parametrize("mangle", [
@@ -58,7 +60,10 @@ class Routes(BaseHTTPRequestHandler):
     """A worker that answers well, garbage, an error, or too late, depending on the path."""
     ledger = json.dumps(documented_ledger() | {"worker": {"pid": 4242, "host_pid": None,
                                                           "container_id": None}}).encode()
-    bodies = {"/good/v1/memory": (200, ledger), "/garbage/v1/memory": (200, b"<html>oops</html>"),
+    info = b'vramledger_worker_info{model="m",draft_model="",device="cuda:0",num_speculative_tokens="0",' \
+           b'version="9.8.7"} 1.0\n'
+    bodies = {"/good/v1/memory": (200, ledger), "/good/metrics": (200, info),
+              "/garbage/v1/memory": (200, b"<html>oops</html>"),
               "/shape/v1/memory": (200, b'{"version": 1}'), "/error/v1/memory": (500, b"boom")}
 
     def do_GET(self):
@@ -94,7 +99,7 @@ def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
     urls = [f"{routes}/{name}" for name in ("good", "garbage", "shape", "error", "slow")]
     urls.append(f"http://127.0.0.1:{closed_port()}")
     errors = ErrorLog()
-    fetcher = LedgerFetcher(urls, timeout=0.3, errors=errors)
+    fetcher = Engines.open(urls, [], timeout=0.3, errors=errors)
     registry = CollectorRegistry()
     registry.register(ExporterCollector(HostSource(errors, min_process_bytes=TIB), fetcher, errors))
     try:
@@ -108,6 +113,9 @@ def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
             assert [url for url in urls if ("vramledger_worker_declared_memory_bytes", (url,)) in values] == [
                 urls[0]]
             assert values[("vramledger_worker_declared_memory_bytes", (urls[0],))] == 70267093696
+            assert [labels for name, labels in values if name == "vramledger_worker_info"] == [
+                (urls[0], "vramledger", "9.8.7", "/models/target")]
+            assert values[("vramledger_worker_kv_cache_usage_ratio", (urls[0],))] == 0
         # Garbage counted on every scrape (garbage, shape, error; down and slow are only up 0)...
         assert values[("vramledger_exporter_errors_total", ("worker",))] == 2 * 3
         # ...but each worker's fault logged once.
@@ -131,14 +139,10 @@ def test_in_container_accepts_full_and_short_ids():
     assert not in_container(cgroup, "deadbeef") and not in_container(cgroup, "")
 
 
-def ledger(pid, host_pid=None, container_id=None):
-    return WorkerLedger("http://w", pid, host_pid, container_id, "cuda", 0)
-
-
 def test_resolver_prefers_the_ledger_host_pid_then_the_pid():
     resolver = HostPidResolver("/nonexistent")
-    assert resolver.host_pid(ledger(7, host_pid=31337, container_id="c0ffee")) == 31337
-    assert resolver.host_pid(ledger(4242)) == 4242
+    assert resolver.host_pid(7, host_pid=31337, container_id="c0ffee") == 31337
+    assert resolver.host_pid(4242) == 4242
 
 
 def test_resolver_maps_container_pids_and_notices_reuse(tmp_path):
@@ -151,12 +155,12 @@ def test_resolver_maps_container_pids_and_notices_reuse(tmp_path):
     proc(31337, (31337, 1), "0::/kubepods/pod1/cri-containerd-c0ffee.scope\n")
     proc(555, (555, 1), "0::/kubepods/pod2/cri-containerd-beef.scope\n")
     resolver = HostPidResolver(tmp_path)
-    assert resolver.host_pid(ledger(1, container_id="c0ffee")) == 31337
-    assert resolver.host_pid(ledger(1, container_id="beef")) == 555
-    assert resolver.host_pid(ledger(9, container_id="c0ffee")) is None
+    assert resolver.host_pid(1, container_id="c0ffee") == 31337
+    assert resolver.host_pid(1, container_id="beef") == 555
+    assert resolver.host_pid(9, container_id="c0ffee") is None
     proc(31337, (31337, 12), "0::/kubepods/pod9/cri-containerd-0ther.scope\n")  # pid reused elsewhere
     proc(40000, (40000, 1), "0::/kubepods/pod1/cri-containerd-c0ffee.scope\n")  # the worker restarted
-    assert resolver.host_pid(ledger(1, container_id="c0ffee")) == 40000
+    assert resolver.host_pid(1, container_id="c0ffee") == 40000
 
 
 def test_cli_flags():

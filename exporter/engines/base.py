@@ -1,0 +1,52 @@
+"""What the exporter needs from an inference engine, whatever its kind: one small interface.
+
+An adapter reads one server per scrape and answers an EngineState: the host pids of its processes,
+what it declares (a fixed number of bytes, or a share of each device it uses), its KV cache usage
+and its identity. SGLang or TGI would be one more module beside vramledger.py and vllm.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from exporter.sources import HOST, DeviceMemory
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """vramledger_worker_info{engine, version, model}; "" where the engine does not say."""
+    engine: str
+    version: str = ""
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """One engine as read in one scrape."""
+    pids: frozenset[int]  # host pids of every process it runs (NVML reports host pids)
+    info: EngineInfo
+    kv_usage: float | None = None  # fraction of its KV cache in use, in [0, 1]
+    declared_bytes: int | None = None  # a fixed declaration, whatever the device (a ledger's total)
+    declared_share: float | None = None  # or a share of the total memory of each device it uses
+
+    def declared_on(self, device: DeviceMemory) -> int | None:
+        """What it declares on one device; None when it declares nothing there."""
+        if self.declared_bytes is not None:
+            return self.declared_bytes
+        if self.declared_share is not None and device.device != HOST:  # a GPU's share, never the host's
+            return math.ceil(self.declared_share * device.total)  # vLLM's rounding (request_memory)
+        return None
+
+
+class Engine(Protocol):
+    """One watched server: read() is called once per scrape, from a worker thread."""
+    url: str
+    kind: str  # vramledger_worker_info{engine}
+    source: str  # vramledger_exporter_errors_total{source} of its faults
+
+    def read(self) -> EngineState | None:
+        """The server now; None when it is down or unreadable (counted and logged by the adapter)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,149 @@
+"""Our worker: its ledger (GET <url>/v1/memory, docs/ledger.md) declares every byte it holds."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.engines.base import EngineInfo, EngineState
+from exporter.errors import ErrorLog
+from exporter.processes import HostPidResolver
+
+log = logging.getLogger(__name__)
+
+KIND = "vramledger"
+SOURCE = "worker"
+
+
+@dataclass(frozen=True)
+class WorkerLedger:
+    """The fields of a worker's ledger that the exporter joins on."""
+    url: str
+    pid: int
+    host_pid: int | None
+    container_id: str | None
+    device_kind: str  # "cuda" or "cpu"
+    declared_bytes: int
+    model: str = ""
+    kv_usage: float | None = None
+
+
+class LedgerError(ValueError):
+    """A ledger document that does not follow docs/ledger.md."""
+
+
+def parse_ledger(url: str, doc: object) -> WorkerLedger:
+    """Validates the fields the exporter uses; anything else in the document is ignored."""
+    if not isinstance(doc, dict) or doc.get("version") != 1:
+        raise LedgerError("not a version-1 ledger")
+    worker, device = doc.get("worker"), doc.get("device")
+    if not isinstance(worker, dict) or not isinstance(device, dict):
+        raise LedgerError("missing 'worker' or 'device'")
+    pid, host_pid, declared = worker.get("pid"), worker.get("host_pid"), doc.get("declared_bytes")
+    container_id, kind = worker.get("container_id"), device.get("kind")
+    if not _is_int(pid) or pid <= 0:
+        raise LedgerError(f"bad worker.pid {pid!r}")
+    if host_pid is not None and (not _is_int(host_pid) or host_pid <= 0):
+        raise LedgerError(f"bad worker.host_pid {host_pid!r}")
+    if container_id is not None and not isinstance(container_id, str):
+        raise LedgerError(f"bad worker.container_id {container_id!r}")
+    if not _is_int(declared) or declared < 0:
+        raise LedgerError(f"bad declared_bytes {declared!r}")
+    if kind not in ("cuda", "cpu"):
+        raise LedgerError(f"bad device.kind {kind!r}")
+    models = doc.get("models") if isinstance(doc.get("models"), dict) else {}
+    target = models.get("target")
+    return WorkerLedger(url, pid, host_pid, container_id or None, kind, declared,
+                        target if isinstance(target, str) else "", _kv_usage(doc.get("kv_cache")))
+
+
+def _kv_usage(kv: object) -> float | None:
+    if not isinstance(kv, dict):
+        return None
+    used, total = kv.get("blocks_used"), kv.get("blocks_total")
+    if not (_is_int(used) and _is_int(total)) or total <= 0 or not 0 <= used <= total:
+        return None
+    return used / total
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class VramledgerEngine:
+    """Reads one worker's ledger each scrape; its version once per worker process (from /metrics).
+
+    Garbage (an HTTP error status, invalid JSON, a document that is no ledger) counts in
+    vramledger_exporter_errors_total{source="worker"}; a worker that is down or too slow only
+    shows as vramledger_worker_up 0. Both are logged once per worker and kind.
+    """
+    kind, source = KIND, SOURCE
+
+    def __init__(self, url: str, client: httpx.Client, errors: ErrorLog,
+                 resolver: HostPidResolver | None = None):
+        self.url = url.rstrip("/")
+        self._client = client
+        self._errors = errors
+        self._resolver = resolver or HostPidResolver()
+        self._versions: dict[int, str] = {}  # worker pid -> its version
+
+    def read(self) -> EngineState | None:
+        ledger = self.read_ledger()
+        return None if ledger is None else self.state(ledger, self._version(ledger.pid))
+
+    def state(self, ledger: WorkerLedger, version: str = "") -> EngineState:
+        """The engine state a ledger tells: its host pid, declared bytes, KV usage and model."""
+        pid = self._resolver.host_pid(ledger.pid, ledger.host_pid, ledger.container_id)
+        if pid is None:
+            self._errors.record(SOURCE, f"pid_unresolved {self.url}",
+                                f"{self.url}: no host process is pid {ledger.pid} of container "
+                                f"{ledger.container_id} (is the exporter in the host pid namespace?)")
+        info = EngineInfo(KIND, version, ledger.model)
+        return EngineState(frozenset() if pid is None else frozenset([pid]), info, ledger.kv_usage,
+                           declared_bytes=ledger.declared_bytes)
+
+    def read_ledger(self) -> WorkerLedger | None:
+        try:
+            response = self._client.get(self.url + "/v1/memory")
+            response.raise_for_status()
+            return parse_ledger(self.url, response.json())
+        except httpx.HTTPStatusError as e:
+            self._fail(f"http_{e.response.status_code}", e, count=True)
+        except (httpx.TimeoutException, httpx.TransportError) as e:
+            # A worker that is down is what vramledger_worker_up 0 says; counting it as an exporter
+            # error too would page twice for one fault.
+            self._fail("timeout" if isinstance(e, httpx.TimeoutException) else "unreachable", e, count=False)
+        except (httpx.HTTPError, ValueError) as e:  # invalid JSON or ledger: an error, not a crash
+            self._fail("invalid_ledger", e, count=True)
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def _version(self, pid: int) -> str:
+        # The ledger carries no version; the worker's own vramledger_worker_info does. A worker's
+        # version changes only with its process, so it is read once per pid.
+        if pid not in self._versions:
+            try:
+                response = self._client.get(self.url + "/metrics")
+                response.raise_for_status()
+                version = _info_version(response.text)
+            except (httpx.HTTPError, ValueError) as e:  # the ledger still counts: only the label is lost
+                log.debug("%s/metrics: no version: %s", self.url, e)
+                version = ""
+            self._versions = {pid: version}
+        return self._versions[pid]
+
+    def _fail(self, kind: str, error: Exception, count: bool) -> None:
+        report = self._errors.record if count else self._errors.note
+        report(SOURCE, f"{kind} {self.url}", f"{self.url}/v1/memory: {type(error).__name__}: {error}")
+
+
+def _info_version(text: str) -> str:
+    for family in text_string_to_metric_families(text):
+        if family.name == "vramledger_worker_info":
+            for sample in family.samples:
+                return sample.labels.get("version", "")
+    return ""

