@@ -79,6 +79,24 @@ def read_cgroup(pid: int, proc_root: str | Path = "/proc") -> CgroupIdentity | N
         return None
 
 
+def pids_in_pod(pod_uid: str, proc_root: str | Path = "/proc") -> frozenset[int]:
+    """Every process whose cgroup names the pod: in a host pid namespace, the pod's host pids."""
+    found = []
+    for entry in _listdir(Path(proc_root)):
+        if entry.isdigit():
+            identity = read_cgroup(int(entry), proc_root)
+            if identity is not None and identity.pod_uid == pod_uid:
+                found.append(int(entry))
+    return frozenset(found)
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return [p.name for p in path.iterdir()]
+    except OSError:
+        return []
+
+
 def strip_runtime(container_id: str) -> str:
     """The bare id of a pod status's containerID ("containerd://<id>", "cri-o://<id>", "docker://<id>")."""
     return container_id.rpartition("://")[2]

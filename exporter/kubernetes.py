@@ -46,6 +46,7 @@ class Engine:
     url: str
     namespace: str
     pod: str
+    uid: str = ""  # the pod's UID: its processes are those whose cgroup names it
 
 
 @dataclass
@@ -133,7 +134,7 @@ class PodDirectory:
                                         f"{pod.namespace}/{pod.name}: {PORT_ANNOTATION} {port!r} is no port")
                     continue
                 host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
-                found.append(Engine(kind, f"http://{host}:{port}", pod.namespace, pod.name))
+                found.append(Engine(kind, f"http://{host}:{port}", pod.namespace, pod.name, pod.uid))
             return sorted(found, key=lambda e: (e.namespace, e.pod))
 
     def refresh(self) -> bool:

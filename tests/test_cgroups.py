@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from exporter.cgroups import CgroupIdentity, parse_cgroup, read_cgroup, strip_runtime
+from exporter.cgroups import CgroupIdentity, parse_cgroup, pids_in_pod, read_cgroup, strip_runtime
 
 UID = "7c1f5c5a-3b9e-4f8e-9d6c-2a1b0c9d8e7f"
 SYSTEMD_UID = UID.replace("-", "_")  # the systemd driver cannot have "-" inside a slice name
@@ -109,3 +109,18 @@ def test_read_cgroup_of_this_process_reads_the_real_file():
 @pytest.mark.parametrize("status_id", [f"containerd://{CID}", f"cri-o://{CID}", f"docker://{CID}", CID])
 def test_strip_runtime(status_id):
     assert strip_runtime(status_id) == CID
+
+
+def test_pids_in_pod_finds_every_process_of_the_pod(tmp_path):
+    other_uid = "0b1c2d3e-4f50-4617-8293-a4b5c6d7e8f9"
+    tree = {"100": CASES["v2 systemd containerd"][0],  # the pod's engine
+            "101": CASES["v2 systemd containerd"][0].replace(CID, "e" * 64),  # its second container
+            "102": v2(f"/kubepods/burstable/pod{other_uid}/{CID}"),  # another pod
+            "103": v2("/system.slice/nvidia-persistenced.service")}
+    for pid, text in tree.items():
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "cgroup").write_text(text)
+    (tmp_path / "self").mkdir()  # not a pid
+    assert pids_in_pod(UID, tmp_path) == {100, 101}
+    assert pids_in_pod(other_uid, tmp_path) == {102}
+    assert pids_in_pod(UID, tmp_path / "missing") == frozenset()

@@ -9,7 +9,7 @@ from kubernetes import client
 
 from exporter.cgroups import CgroupIdentity, parse_cgroup
 from exporter.errors import ErrorLog
-from exporter.kubernetes import NO_POD, SOURCE, Engine, PodDirectory, PodLabels
+from exporter.kubernetes import NO_POD, SOURCE, PodDirectory, PodLabels
 
 NODE = "gpu-node-1"
 CID = {name: (f"{i:x}" * 64)[:64] for i, name in enumerate(("worker", "sidecar", "vllm", "trainer", "new"), 1)}
@@ -177,11 +177,13 @@ def test_engines_on_this_node_are_discovered_by_label(api, clock, worker_pod):
     errors = ErrorLog()
     api.pods.append(pod("bad-port", "inference", NODE, ip="10.244.1.33", labels={"vramledger.io/engine": "vllm"},
                         annotations={"vramledger.io/port": "http"}))
-    assert directory(api, clock, errors).engines() == [
-        Engine("vllm", "http://10.244.1.30:8080", "inference", "vllm-0"),
-        Engine("vllm", "http://[fd00:10:244::7]:8000", "inference", "vllm-v6"),
-        Engine("vramledger", "http://10.244.1.17:8000", "inference", "vramledger-worker-5f7d8"),
+    engines = directory(api, clock, errors).engines()
+    assert [(e.kind, e.url, e.namespace, e.pod) for e in engines] == [
+        ("vllm", "http://10.244.1.30:8080", "inference", "vllm-0"),
+        ("vllm", "http://[fd00:10:244::7]:8000", "inference", "vllm-v6"),
+        ("vramledger", "http://10.244.1.17:8000", "inference", "vramledger-worker-5f7d8"),
     ]  # by namespace and pod
+    assert engines[-1].uid == worker_pod["metadata"]["uid"]
     assert errors.counts()[SOURCE] == 1  # the annotation that is no port
 
 
