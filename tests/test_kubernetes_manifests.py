@@ -258,6 +258,7 @@ def test_exporter_daemonset(base):
     exporter = container(pod, "exporter")
     args = exporter_parser().parse_args(exporter["args"][3:])  # fails on a flag the exporter lacks
     assert exporter["args"][:3] == ["python", "-m", "exporter"] and args.backend == "nvml"
+    assert args.kubernetes and args.worker == [] and args.vllm == []  # engines are found through the API
     assert pod["hostPID"] is True and pod["runtimeClassName"] == "nvidia"
     env = {e["name"]: e for e in exporter["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
