@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import re
 import signal
 import sys
@@ -12,8 +13,10 @@ import threading
 from prometheus_client import CollectorRegistry, start_http_server
 
 from exporter.collector import ExporterCollector
+from exporter.discovery import DiscoveredEngines
 from exporter.engines import Engines, parse_vllm_arg
 from exporter.errors import ErrorLog
+from exporter.kubernetes import PodDirectory
 from exporter.sources import SourceUnavailable, open_source
 
 log = logging.getLogger("exporter")
@@ -61,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base URL of a vLLM server whose /metrics is read each scrape (repeatable); its "
                         "processes are found by the port it listens on, or from PID (its API server) when "
                         "the exporter cannot see that socket (another network namespace)")
+    p.add_argument("--kubernetes", action="store_true",
+                   help="in a cluster: also watch the engines of this node (NODE_NAME) that the API "
+                        "lists, by the pod label vramledger.io/engine (vramledger or vllm), and name each "
+                        "process's namespace, pod and container (docs/kubernetes.md)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve /metrics on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=9400, help="port to serve /metrics on; 0 picks a free one")
     p.add_argument("--backend", choices=("auto", "nvml", "host"), default="auto",
@@ -91,14 +98,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exporter: {e}", file=sys.stderr)
         source.close()
         return 2
+    pods = None
+    if args.kubernetes:
+        try:
+            pods = PodDirectory.connect(os.environ.get("NODE_NAME", ""), errors)
+        except Exception as e:  # noqa: BLE001 - no NODE_NAME, no service account and no kubeconfig
+            print(f"exporter: --kubernetes: {e}", file=sys.stderr)
+            engines.close()
+            source.close()
+            return 1
+        engines = DiscoveredEngines(pods, engines, args.worker_timeout, errors)
     registry = CollectorRegistry()
-    registry.register(ExporterCollector(source, engines, errors, max_processes=args.max_processes))
+    registry.register(ExporterCollector(source, engines, errors, max_processes=args.max_processes, pods=pods))
     # Startup objects (imports, clients) never die: freezing them keeps full collections, and so
     # scrape latency spikes, small.
     gc.freeze()
     server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
     host, port = server.server_address[:2]
-    if not engines.urls:
+    if not engines.urls and pods is None:
         log.warning("no --worker or --vllm given: serving device metrics only")
     log.info("%s reader, %d worker(s), %d vLLM server(s); listening on http://%s:%d/metrics",
              source.name, len(args.worker), len(args.vllm), host, port)

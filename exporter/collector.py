@@ -13,6 +13,8 @@ from exporter.attribution import Attribution, attribute
 from exporter.engines import Engines, EngineState
 from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
 from exporter.errors import ErrorLog
+from exporter.kubernetes import NO_POD, PodDirectory
+from exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
 from exporter.sources import DeviceMemory, Source
 
 DEVICE = ("device", "uuid")
@@ -42,6 +44,8 @@ GAUGES = {
         "max(0, observed - declared) on a device: memory the worker holds but does not declare.",
         ("worker", "device")),
 }
+PROCESS = "vramledger_device_process_memory_bytes"
+POD_LABELS = ("namespace", "pod", "container")  # --kubernetes only; empty for a process in no pod
 ERRORS = "vramledger_exporter_errors"
 COLLECT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0, 10.0)
 
@@ -49,7 +53,8 @@ COLLECT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0
 class ExporterCollector(Collector):
     """Builds every exporter metric fresh on each scrape, so exited processes leave no series."""
 
-    def __init__(self, source: Source, engines: Engines, errors: ErrorLog, *, max_processes: int = 32):
+    def __init__(self, source: Source, engines: Engines, errors: ErrorLog, *, max_processes: int = 32,
+                 pods: PodDirectory | None = None):
         self._source = source
         self._engines = engines
         self._errors = errors
@@ -60,6 +65,7 @@ class ExporterCollector(Collector):
                                           buckets=COLLECT_BUCKETS, registry=None)
         # Served at 0 before any error.
         self._sources = tuple(dict.fromkeys((source.name, WORKER_SOURCE, *engines.sources, "exporter")))
+        self._pods = pods  # --kubernetes: each process series names its pod
 
     def describe(self) -> Iterator[Metric]:
         yield from (GaugeMetricFamily(name, doc, labels=labels) for name, (doc, labels) in GAUGES.items())
@@ -77,6 +83,9 @@ class ExporterCollector(Collector):
 
     def _build(self) -> list[Metric]:
         gauges = {name: GaugeMetricFamily(name, doc, labels=labels) for name, (doc, labels) in GAUGES.items()}
+        if self._pods is not None:
+            doc, labels = GAUGES[PROCESS]
+            gauges[PROCESS] = GaugeMetricFamily(PROCESS, doc, labels=labels + POD_LABELS)
         read = self._guard(WORKER_SOURCE, self._engines.read, {})
         states: dict[str, EngineState] = {url: state for url, state in read.items() if state is not None}
         pids = frozenset(pid for state in states.values() for pid in state.pids)
@@ -84,7 +93,7 @@ class ExporterCollector(Collector):
         joined = self._guard("exporter", lambda: attribute(devices, states, self._max_processes),
                              Attribution())
         self._add_devices(gauges, devices)
-        self._add_attribution(gauges, joined)
+        self._add_attribution(gauges, joined, self._pod_labels)
         for url in self._engines.urls:
             state = states.get(url)
             gauges["vramledger_worker_up"].add_metric([url], 0 if state is None else 1)
@@ -115,11 +124,17 @@ class ExporterCollector(Collector):
             if d.reserved is not None:
                 gauges["vramledger_device_memory_reserved_bytes"].add_metric(labels, d.reserved)
 
+    def _pod_labels(self, pid: str) -> list[str]:
+        if self._pods is None:
+            return []
+        pod = self._guard(KUBERNETES_SOURCE, lambda: self._pods.labels_of_pid(pid), NO_POD)
+        return [pod.namespace, pod.pod, pod.container]
+
     @staticmethod
-    def _add_attribution(gauges: dict[str, GaugeMetricFamily], joined: Attribution) -> None:
+    def _add_attribution(gauges: dict[str, GaugeMetricFamily], joined: Attribution, pod_labels) -> None:
         for p in joined.processes:
-            gauges["vramledger_device_process_memory_bytes"].add_metric(
-                [p.device, p.uuid, p.pid, p.process, p.owner, p.worker], p.bytes)
+            labels = [p.device, p.uuid, p.pid, p.process, p.owner, p.worker, *pod_labels(p.pid)]
+            gauges[PROCESS].add_metric(labels, p.bytes)
         for d in joined.devices:
             if d.foreign is not None:
                 gauges["vramledger_device_foreign_memory_bytes"].add_metric([d.device, d.uuid], d.foreign)

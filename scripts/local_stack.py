@@ -2,10 +2,16 @@
 
 `make run` uses it to bring the stack up and print where to look; the end-to-end test uses
 the same class, with a faster scrape and shorter alert delays.
+
+Stopping: any terminating signal (Ctrl-C, SIGTERM, SIGHUP, ...) stops every service, each with
+SIGTERM first (the worker drains its running requests) and SIGKILL after `STOP_TIMEOUT`. Each
+service runs in a session of its own, so a terminal's Ctrl-C reaches only this launcher, and is
+told by the kernel to stop if the launcher dies without cleaning up (even by SIGKILL).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -19,6 +25,30 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+STOP_TIMEOUT = 45.0  # seconds: above the worker's default --drain-timeout (30 s)
+# Signals whose default action ends a process; SIGKILL and SIGSTOP cannot be caught (the children's
+# parent-death signal covers SIGKILL).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                signal.SIGUSR2, signal.SIGALRM)
+PR_SET_PDEATHSIG = 1
+
+
+class Stopped(Exception):
+    """Raised in the main thread by a stop signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def die_with(parent: int):
+    """A preexec_fn: the child gets SIGTERM when `parent` dies (Linux), and quits if it already has."""
+    def preexec() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    return preexec
 
 
 def free_port() -> int:
@@ -74,8 +104,9 @@ class LocalStack:
         wait_http(self.url("prometheus") + "/-/ready", 60, self.procs["prometheus"])
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        with open(self.workdir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                                start_new_session=True, preexec_fn=die_with(os.getpid()))
 
     def _write_prometheus_config(self) -> Path:
         """The repo's rules, with the compose hostnames replaced by loopback ports."""
@@ -98,26 +129,52 @@ class LocalStack:
         config.write_text(text)
         return config
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """SIGTERM to every service, SIGKILL to what is left after `timeout`; each one's process group
+        is killed too, so nothing a service started outlives it."""
         for proc in reversed(list(self.procs.values())):
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                print(f"{proc.args[:3]} did not stop in {timeout:.0f} s: killed", file=sys.stderr)
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the service leads its own session and group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def raise_on_stop_signals() -> None:
+    """The first stop signal raises Stopped in the main thread; main() ignores later ones while it stops."""
+    def handler(signum, frame):
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workdir", default=str(ROOT / ".run"))
+    ap.add_argument("--worker-port", type=int, default=8000)
+    ap.add_argument("--exporter-port", type=int, default=9400)
+    ap.add_argument("--prometheus-port", type=int, default=9090)
     ap.add_argument("worker_args", nargs="*", help="extra flags for `python -m worker serve` (after --)")
     args = ap.parse_args()
-    ports = {"worker": 8000, "exporter": 9400, "prometheus": 9090}
+    ports = {"worker": args.worker_port, "exporter": args.exporter_port, "prometheus": args.prometheus_port}
     stack = LocalStack(Path(args.workdir), args.worker_args, ports=ports)
     print("starting worker, exporter and Prometheus (logs in %s) ..." % args.workdir, flush=True)
+    raise_on_stop_signals()
     try:
         stack.start()
         model = httpx.get(stack.url("worker") + "/v1/models").json()["data"][0]["id"]
@@ -130,18 +187,21 @@ vramledger is up:
   Prometheus      {stack.url('prometheus')}  (alerts: /alerts, rules: /rules)
 try: curl -s {stack.url('worker')}/v1/completions -H 'content-type: application/json' \\
        -d '{{"model": "{model}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
-Ctrl-C stops everything.""", flush=True)
+Ctrl-C (or SIGTERM) stops everything.""", flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
             time.sleep(1)
         dead = [n for n, p in stack.procs.items() if p.poll() is not None]
         print(f"{', '.join(dead)} exited; see {args.workdir}/*.log", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 0
+    except Stopped as stop:
+        print(f"{stop}: stopping worker, exporter and Prometheus ...", file=sys.stderr, flush=True)
+        return 0 if stop.signum in (signal.SIGINT, signal.SIGTERM) else 128 + stop.signum
     except (RuntimeError, TimeoutError) as exc:
         print(f"error: {exc}; see {args.workdir}/*.log", file=sys.stderr)
         return 1
     finally:
+        for sig in STOP_SIGNALS:  # a second signal must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
         stack.stop()
 
 

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this Bearer token on /v1/* (or set VRAMLEDGER_API_KEY)")
     serve.add_argument("--max-waiting", type=int, default=256, metavar="N",
                        help="queued requests beyond this are refused with 503 and Retry-After")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, running requests get this long to finish before they are aborted "
+                            "(default 30; match the pod's terminationGracePeriodSeconds)")
     serve.set_defaults(run=run_serve)
 
     prof = sub.add_parser("profile", help="load, profile, print the memory ledger, exit")

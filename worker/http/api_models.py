@@ -199,7 +199,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None  # abort: the worker stopped (drain timeout)
     token_ids: list[int] | None = None
 
 
@@ -223,7 +223,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None  # abort: the worker stopped (drain timeout)
     token_ids: list[int] | None = None
 
 

@@ -41,6 +41,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
+        self._output_tokens: dict[str, int] = {}  # asyncio thread only: tokens delivered so far
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, aloop: asyncio.AbstractEventLoop) -> None:
@@ -71,8 +72,22 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; a finished or unknown request is ignored."""
+        self._output_tokens.pop(request_id, None)
         if self._streams.pop(request_id, None) is not None:
             self._send(("abort", request_id))
+
+    def abort_all(self, reason: str) -> int:
+        """End every request now with a last output carrying `reason` (the drain's deadline)."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            stream = self._streams[request_id]
+            tokens = self._output_tokens.get(request_id, 0)
+            last = RequestOutput(request_id, new_token_ids=[], text="", finished=True, finish_reason=reason,
+                                 num_prompt_tokens=0, num_output_tokens=tokens, num_draft_tokens=0,
+                                 num_accepted_tokens=0)
+            self.abort(request_id)
+            stream.put_nowait(last)
+        return len(request_ids)
 
     def num_pending(self) -> int:
         """Requests submitted that the engine thread has not yet queued in its scheduler."""
@@ -95,6 +110,9 @@ class EngineLoop:
                 continue  # the client went away; its abort is on the way
             if isinstance(item, EngineFailed) or item.finished:
                 del self._streams[request_id]
+                self._output_tokens.pop(request_id, None)
+            else:
+                self._output_tokens[request_id] = item.num_output_tokens
             stream.put_nowait(item)
 
     def _fail_all(self, error: EngineFailed) -> None:

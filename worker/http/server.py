@@ -37,6 +37,7 @@ from worker.http.api_models import (
     SamplingRequest,
     error_body,
 )
+from worker.http.drain import Drain, DrainGate, DrainingServer
 from worker.http.engine_loop import EngineFailed, EngineLoop
 from worker.http.metrics import EngineCollector, RequestMetrics, WorkerInfo
 from worker.http.openai_protocol import chat_token_ids, prompt_token_ids, sampling_params, validation_error
@@ -58,6 +59,7 @@ class ServerSettings:
     protect_metrics: bool = False  # /health and /metrics are open unless this is set
     max_body_bytes: int = 4 << 20  # a long prompt is well under this; a 413 beats parsing a flood
     served_model_name: str | None = None
+    drain_timeout: float = 30.0  # seconds running requests get after SIGTERM (worker/http/drain.py)
 
     def __post_init__(self):
         if self.max_waiting < 1:
@@ -387,6 +389,8 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
         return Response(encoder(registry), headers={"Content-Type": content_type})
 
     app.add_middleware(Guard, settings=settings)  # before routing and body parsing
+    app.state.drain = Drain(engine_loop, settings.drain_timeout)
+    app.add_middleware(DrainGate, drain=app.state.drain)  # outermost: counts every generation request
     return app
 
 
@@ -416,10 +420,12 @@ def run_server(config: EngineConfig, args) -> int:
     settings = ServerSettings(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                               max_waiting=args.max_waiting,
                               metrics=os.environ.get(METRICS_ENV, "on").lower() not in ("off", "0", "false"),
-                              protect_metrics=os.environ.get(METRICS_AUTH_ENV, "") == "1")
+                              protect_metrics=os.environ.get(METRICS_AUTH_ENV, "") == "1",
+                              drain_timeout=args.drain_timeout)
     app = create_app(config, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                           timeout_graceful_shutdown=5))
+    uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                    timeout_graceful_shutdown=5)
+    server = DrainingServer(uvicorn_config, app.state.drain)  # SIGTERM drains first
     app.state.engine_loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
     log.info("serving %s on http://%s:%d (draft: %s)", served_name(config, settings), args.host, args.port,
              config.draft_model or "none")

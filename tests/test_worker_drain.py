@@ -1,0 +1,146 @@
+"""Graceful stop of a real worker process: SIGTERM drains, new requests get 503, the process exits 0.
+
+The worker runs under tests/serve_with_step_gate.py, so the test decides when the engine steps:
+requests stay in flight for as long as the test needs, however fast or slow the machine is.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from local_stack_path import free_port, wait_http
+from server_fixtures import metric_value
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+
+@pytest.fixture
+def gated_worker(checkpoints, tmp_path):
+    """Start a gated worker with the given --drain-timeout; returns (process, url, model name)."""
+    procs = []
+
+    def start(drain_timeout: float):
+        port = free_port()
+        log = open(tmp_path / "worker.log", "w")
+        proc = subprocess.Popen([sys.executable, str(HERE / "serve_with_step_gate.py"), "--model", checkpoints["llama"],
+                                 "--no-draft", "--max-model-len", "128", "--port", str(port),
+                                 "--drain-timeout", str(drain_timeout)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", 180, proc)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        return proc, url, model
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def events(lines):
+    """The data fields of a server-sent event stream, one at a time."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+def wait_until(predicate, what: str, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def draining(url: str) -> bool:
+    response = httpx.get(url + "/health")
+    return response.status_code == 503 and response.json()["status"] == "draining"
+
+
+def request(model: str, stream: bool, max_tokens: int = 12) -> dict:
+    return {"model": model, "prompt": "def add(a, b):", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream, "return_token_ids": True}
+
+
+def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(gated_worker):
+    proc, url, model = gated_worker(drain_timeout=120)
+    with httpx.Client(timeout=60) as client, \
+            client.stream("POST", url + "/v1/completions", json=request(model, stream=True)) as stream:
+        assert stream.status_code == 200
+        client.post(url + "/test/steps", params={"n": 1})
+        received = events(stream.iter_lines())
+        first = json.loads(next(received))
+        assert first["choices"][0]["token_ids"]  # the request is running: it has produced a token
+
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: draining(url), "/health to answer 503 draining")
+        refused = client.post(url + "/v1/completions", json=request(model, stream=False))
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"].isdigit()
+        assert refused.json()["error"]["code"] == "shutting_down"
+        refused_chat = client.post(url + "/v1/chat/completions",
+                                   json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert refused_chat.status_code == 503
+        # The exporter and Prometheus still read a draining worker.
+        assert client.get(url + "/v1/memory").status_code == 200
+        assert proc.poll() is None  # still draining: the stream holds it
+
+        client.post(url + "/test/steps", params={"n": -1})
+        rest = [doc for doc in received]
+    assert rest[-1] == "[DONE]"
+    chunks = [first] + [json.loads(doc) for doc in rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 12  # every token, none lost
+    assert proc.wait(timeout=60) == 0
+
+
+def test_requests_still_running_at_the_drain_timeout_are_aborted(gated_worker):
+    proc, url, model = gated_worker(drain_timeout=1)
+    results = {}
+
+    def whole_response():
+        results["plain"] = httpx.post(url + "/v1/completions", json=request(model, stream=False, max_tokens=64),
+                                      timeout=60)
+
+    streamed = {**request(model, stream=True, max_tokens=64), "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as client, \
+            client.stream("POST", url + "/v1/completions", json=streamed) as stream:
+        client.post(url + "/test/steps", params={"n": 1})
+        received = events(stream.iter_lines())
+        first = json.loads(next(received))
+        plain = threading.Thread(target=whole_response)
+        plain.start()
+        # The engine is held inside its next step: the second request waits for admission.
+        wait_until(lambda: metric_value(client.get(url + "/metrics").text, "vramledger_requests_waiting") == 1,
+                   "the second request to be queued")
+        proc.send_signal(signal.SIGTERM)  # and the engine never steps again: the drain times out
+        rest = [doc for doc in received]
+    plain.join(timeout=60)
+    assert rest[-1] == "[DONE]"
+    chunks = [first] + [json.loads(doc) for doc in rest[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    delivered = sum(len(c["choices"][0]["token_ids"]) for c in chunks)
+    assert 1 <= delivered < 64
+    assert json.loads(rest[-2])["usage"]["completion_tokens"] == delivered  # usage counts what was sent
+    assert results["plain"].status_code == 200
+    assert results["plain"].json()["choices"][0]["finish_reason"] == "abort"
+    assert proc.wait(timeout=60) == 0
+
+
+def test_sigterm_on_an_idle_worker_exits_0_at_once(gated_worker):
+    proc, url, _ = gated_worker(drain_timeout=120)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0  # nothing in flight: far sooner than the 120 s drain timeout
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)
