@@ -152,7 +152,7 @@ def test_penalties_min_tokens_and_logprobs_agree_between_speculative_and_plain(c
 
 def test_min_tokens_holds_back_end_of_text_and_stop_token_ids_end_the_request(checkpoints):
     e = engine(checkpoints["llama"], checkpoints["llama-draft"])
-    (tokens, text, _), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=30, temperature=0,
+    (tokens, _, _), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=30, temperature=0,
                                                                      ignore_eos=True))
     stop_id = tokens[5]
     first = tokens.index(stop_id)

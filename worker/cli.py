@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this Bearer token on /v1/* (or set VRAMLEDGER_API_KEY)")
     serve.add_argument("--max-waiting", type=int, default=256, metavar="N",
                        help="queued requests beyond this are refused with 503 and Retry-After")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name the API answers to and reports (default: the model directory's name)")
     serve.set_defaults(run=run_serve)
 
     prof = sub.add_parser("profile", help="load, profile, print the memory ledger, exit")
