@@ -153,3 +153,9 @@ def test_concurrent_bad_requests_leave_the_server_healthy(spec_server):
     for t in threads:
         t.join()
     assert statuses == [400] * 8 and httpx.get(spec_server.url + "/health").status_code == 200
+
+
+def test_more_choices_than_the_queue_holds_is_400(plain_server):
+    # plain: one waiting slot, so two choices could never be admitted together
+    response = httpx.post(plain_server.url + "/v1/completions", json={**OK, "n": 2}, headers=AUTH)
+    check_error(response, 400, "n", "invalid_value")

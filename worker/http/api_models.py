@@ -47,7 +47,7 @@ class SamplingRequest(StrictModel):
     return_token_ids: bool = False  # each choice also carries its new token ids
     min_tokens: int = Field(0, ge=0, description="end-of-text and stops wait until this many tokens")
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
-    repetition_penalty: float = Field(1.0, gt=0, le=100, allow_inf_nan=False,
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100, allow_inf_nan=False,
                                       description="> 1 discourages tokens of the prompt and the output")
 
     @field_validator("stop")

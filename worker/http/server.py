@@ -279,6 +279,9 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
         engine = engine_or_503()
         params = sampling_params(body, len(token_ids), engine.config.max_model_len, chat, param,
                                  state["vocab_size"])
+        if body.n > settings.max_waiting:  # could never be admitted: the client's to change
+            raise APIError(400, f"n={body.n} is more than this worker queues ({settings.max_waiting})",
+                           param="n", code="invalid_value")
         if engine_loop.num_waiting() + body.n > settings.max_waiting:
             raise APIError(503, f"the worker is overloaded ({settings.max_waiting} requests waiting); "
                            "retry later", type="server_error", code="queue_full", headers={"Retry-After": "1"})
