@@ -194,6 +194,8 @@ def run_guidellm(guidellm: str, server: Server, args, streams: list[int], report
     command = [guidellm, "run", "--backend", json.dumps(backend),
                "--profile", json.dumps({"kind": "concurrent", "streams": streams}),
                "--constraint", json.dumps({"kind": "max_requests", "count": counts}),
+               *(["--constraint", json.dumps({"kind": "max_duration", "seconds": args.max_seconds})]
+                 if args.max_seconds else []),
                "--data", data,
                "--tokenizer", f"kind=hf_auto,model={args.model}",
                "--output", f"kind=json,path={report}", "--disable-console"]
@@ -330,7 +332,8 @@ def print_report(results: dict, observing, args) -> None:
     cs = list(args.concurrency)
     print(f"\nguidellm {guidellm_version()}: chat completions, synthetic {args.prompt_tokens}-token prompts, "
           f"{args.output_tokens} output tokens (ignore_eos), temperature 1.0, float32, CPU; "
-          f"{args.requests_per_stream} requests per stream (at least {args.min_requests}); one server at a time")
+          f"{args.requests_per_stream} requests per stream (at least {args.min_requests})"
+          + (f", at most {args.max_seconds:.0f} s" if args.max_seconds else "") + "; one server at a time")
     print("mean output tokens/s (guidellm), by concurrent streams\n")
     print("| server | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in cs) + " | draft acceptance | errored |")
     print("|---" * (len(cs) + 3) + "|")
@@ -343,7 +346,10 @@ def print_report(results: dict, observing, args) -> None:
         for c in cs:
             row = r["rows"].get(c)
             cells.append("n/a" if row is None else f"{row['tok_s']:.0f}" + (f" ({row['mode']})" if "mode" in row else ""))
-        errored = sum(row["errored"] + row["incomplete"] for row in r["rows"].values())
+        errored = str(sum(row["errored"] for row in r["rows"].values()))
+        incomplete = sum(row["incomplete"] for row in r["rows"].values())
+        if incomplete:  # cut by --max-seconds, not failed
+            errored += f" ({incomplete} cut by --max-seconds)"
         acceptance = "" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
         print(f"| {LABELS[name]} | " + " | ".join(cells) + f" | {acceptance} | {errored} |")
     ref = table.get("vllm")
@@ -389,6 +395,8 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,4,16,32", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--requests-per-stream", type=int, default=3)
     parser.add_argument("--min-requests", type=int, default=8, help="at least this many at each concurrency")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="also end each concurrency's run after this long (in-flight requests are cut)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--servers", default=",".join(SERVERS), type=lambda s: s.split(","),
@@ -413,8 +421,7 @@ def main() -> int:
         results = {}
         for name, server in build_servers(args, free_port).items():
             results[name] = server if isinstance(server, str) else measure(server, guidellm, args, logdir)
-            if isinstance(results[name], str):
-                print(f"  {name}: {results[name]}", file=sys.stderr, flush=True)
+            print(f"  {name}: {json.dumps(results[name], default=str)}", file=sys.stderr, flush=True)
         observing = observing_cost(args, guidellm, logdir) if args.observing else None
         print_report(results, observing, args)
         if args.json:
