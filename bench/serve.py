@@ -1,71 +1,68 @@
-"""Serving benchmark: our worker against `transformers serve` on the same target model, in one run.
+"""Serving benchmark: vLLM's own benchmark client (guidellm) against vLLM's CPU build, `transformers
+serve` and our worker, on the shipped pair, one server at a time, in one run.
 
-    python bench/serve.py [--model DIR] [--draft-model DIR] [--clients 16] [--tokens 128] [--rounds 3]
+    python bench/serve.py [--concurrency 1,4,16,32] [--requests-per-stream 3] [--servers NAME,...]
+                          [--prompt-tokens 32] [--output-tokens 128] [--no-build-vllm] [--observing]
 
-Part 1, throughput: N concurrent streaming clients, fixed prompts, greedy, T tokens each, against
-our server with and without the draft model and `transformers serve` with and without
---continuous-batching. Prints output tokens/s and TTFT p50/p99 per peer and ours / best transformers.
-Target: ours at least 2x the best transformers figure.
+Servers: vLLM plain and with our draft (k=4, `--speculative-config`), `transformers serve` in both of
+its modes (the table keeps the better one per concurrency), ours plain and with the draft (k=4).
+Each is started, warmed up with two requests, driven by one guidellm run that goes through every
+concurrency (concurrent streams, synthetic prompts, chat completions, temperature 1.0, `ignore_eos`
+so every request makes the same number of tokens), and stopped before the next one starts.
+Prints guidellm's mean output tokens/s per concurrency, the errored requests, the speculative
+acceptance rate read from each server's /metrics, and every figure's ratio to vLLM plain.
 
-Part 2, the cost of observing: the same load against two of our servers (draft on), one with metrics
-on and scraped every 0.1 s, one with VRAMLEDGER_METRICS=off, rounds alternating. Prints the
-throughput ratio (target >= 0.99), the same ratio in tokens per CPU-second of the server process
-(robust when other processes share the CPU) and the p99 latency of /metrics under that load.
-Ratios, never timed assertions: both sides are measured in the same run on the same machine.
+vLLM's CPU build lives in a venv of its own (scripts/vllm_venv.sh, `make vllm-venv`); this script
+builds it when it is missing (unless --no-build-vllm) and says so when it cannot. guidellm is taken
+from this venv (`pip install -e '.[bench]'`) or else from the vLLM venv; `transformers serve` needs
+accelerate (the bench extra).
+
+--observing adds the cost of observing: ours with the draft, metrics on and scraped every 0.1 s vs
+VRAMLEDGER_METRICS=off, under guidellm at the highest concurrency, runs alternating.
+Ratios, never timed assertions: every peer is measured in the same run on the same machine.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from local_stack import free_port, wait_http  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from local_stack import free_port  # noqa: E402
+from vllm_peer import STARTUP_TIMEOUT, vllm_command, vllm_python  # noqa: E402
+
 ASSETS = ROOT / "worker" / "assets"
-PROMPTS = [f"def {name}:\n" for name in (
-    "fibonacci(n)", "is_prime(n)", "reverse_string(s)", "merge_sorted(a, b)", "binary_search(xs, x)",
-    "flatten(nested)", "word_count(text)", "gcd(a, b)", "transpose(matrix)", "parse_csv_line(line)",
-    "moving_average(xs, k)", "unique(items)", "to_snake_case(name)", "factorial(n)", "chunks(xs, n)",
-    "read_lines(path)")]
+SERVERS = ("vllm", "vllm-draft", "transformers", "transformers-cb", "ours", "ours-draft")
+LABELS = {"vllm": "vLLM plain", "vllm-draft": "vLLM with our draft, k=4",
+          "transformers": "transformers serve", "ours": "ours plain", "ours-draft": "ours with the draft, k=4"}
+ACCEPTANCE_METRICS = {  # (accepted, proposed) counters in each server's /metrics
+    "vllm": ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+    "ours": ("vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_draft_tokens_total"),
+}
 
 
 @dataclass
-class Round:
-    """One load round: tokens generated, wall time and each request's time to first token."""
-
-    tokens: int
-    seconds: float
-    ttfts: list[float]
-    cpu_seconds: float = 0.0  # the server process's CPU time during the round, where measured
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
-
-@dataclass
-class Peer:
-    """One server under test: how to start it and what its requests carry."""
+class Server:
+    """One server under test: how to start it, the model name it answers to, where it logs."""
 
     name: str
     command: list[str]
-    extra: dict  # request fields that make it generate exactly T tokens greedily
+    model: str
     env: dict = field(default_factory=dict)
-    model: str = ""
+    metrics: str | None = None  # key of ACCEPTANCE_METRICS
+    ignore_eos: bool = True  # False: the server refuses the field (transformers), min_new_tokens instead
     port: int = 0
     process: subprocess.Popen | None = None
     log: Path | None = None
@@ -75,149 +72,221 @@ class Peer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, logdir: Path) -> None:
-        self.log = logdir / f"{self.name.replace(' ', '_')}.log"
-        with open(self.log, "w") as log:  # the child keeps its own descriptor
-            self.process = subprocess.Popen([*self.command, "--port", str(self.port)], cwd=ROOT, stdout=log,
-                                            stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        self.log = logdir / f"{self.name}.log"
+        with open(self.log, "wb") as log:  # its own session: a server's children stop with it
+            self.process = subprocess.Popen(self.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **self.env}, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 300) -> None:
-        try:
-            wait_http(self.url + "/health", timeout, self.process)
-        except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{self.name}: {exc}: {self.log.read_text()[-1500:]}") from exc
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exited with {self.process.returncode}: {self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"not healthy after {timeout:.0f} s: {self.tail()}")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             try:
-                self.process.wait(15)
+                os.killpg(self.process.pid, sig)
+                self.process.wait(wait)
+                return
             except subprocess.TimeoutExpired:
-                self.process.kill()
-
-
-# --- load ------------------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, peer: Peer, prompt: str, tokens: int) -> tuple[float, int]:
-    """Stream one completion; return (time to first token, completion tokens)."""
-    body = {"model": peer.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **peer.extra}
-    sent, ttft, usage = time.perf_counter(), None, None
-    async with client.stream("POST", peer.url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            doc = json.loads(line[6:])
-            if ttft is None and doc.get("choices"):
-                ttft = time.perf_counter() - sent
-            usage = doc.get("usage") or usage
-    return ttft, usage["completion_tokens"]
+            except ProcessLookupError:
+                return
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-1500:] if self.log and self.log.exists() else ""
 
 
-async def load_round(peer: Peer, clients: int, tokens: int) -> Round:
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(clients)]
-    server = psutil.Process(peer.process.pid)
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
-        start, cpu = time.perf_counter(), sum(server.cpu_times()[:2])
-        results = await asyncio.gather(*(one_request(client, peer, p, tokens) for p in prompts))
-        seconds, cpu = time.perf_counter() - start, sum(server.cpu_times()[:2]) - cpu
-    return Round(sum(n for _, n in results), seconds, [t for t, _ in results], cpu)
+# --- the servers -----------------------------------------------------------------------------
+def build_servers(args, port_for) -> dict[str, Server | str]:
+    """Every server asked for, or why it cannot run here."""
+    out: dict[str, Server | str] = {}
+    for name in args.servers:
+        port = port_for()
+        if name.startswith("vllm"):
+            why = vllm_ready(args)
+            draft = args.draft_model if name == "vllm-draft" else None
+            out[name] = why or Server(name, vllm_command(args.model, port, draft=draft, k=args.k), args.model,
+                                      env={"VLLM_CPU_KVCACHE_SPACE": "1"}, metrics="vllm" if draft else None,
+                                      port=port)
+        elif name.startswith("transformers"):
+            out[name] = transformers_server(name, args, port)
+        else:
+            out[name] = our_server(name, args, port, draft=name == "ours-draft")
+    return out
 
 
-async def scrape_while(peer: Peer, work, interval: float = 0.1) -> tuple[Round, list[float]]:
-    """Run `work` while scraping /metrics every `interval` s; return its result and the scrape latencies."""
-    latencies: list[float] = []
-    done = asyncio.Event()
-
-    async def scraper():
-        async with httpx.AsyncClient(timeout=30) as client:
-            while not done.is_set():
-                start = time.perf_counter()
-                (await client.get(peer.url + "/metrics")).raise_for_status()
-                latencies.append(time.perf_counter() - start)
-                await asyncio.sleep(interval)
-
-    task = asyncio.create_task(scraper())
-    try:
-        result = await work
-    finally:
-        done.set()
-        await task
-    return result, latencies
+def our_server(name: str, args, port: int, draft: bool, env: dict | None = None) -> Server:
+    command = [sys.executable, "-m", "worker", "serve", "--model", args.model, "--device", "cpu",
+               "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "2048",
+               "--log-level", "warning", "--port", str(port)]
+    command += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.k)] if draft \
+        else ["--no-draft"]
+    return Server(name, command, Path(args.model).name, env=env or {}, metrics="ours" if draft else None,
+                  port=port)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+_vllm_state: dict[str, str | None] = {}
 
 
-# --- peers -----------------------------------------------------------------------------------
-def our_peer(name: str, args, draft: bool, metrics: bool = True) -> Peer:
-    command = [sys.executable, "-m", "worker", "serve", "--model", args.model, "--device", args.device,
-               "--max-num-seqs", str(args.clients), "--log-level", "warning"]
-    command += ["--draft-model", args.draft_model] if draft else ["--no-draft"]
-    return Peer(name, command, {"ignore_eos": True}, env={} if metrics else {"VRAMLEDGER_METRICS": "off"},
-                model=Path(args.model).name)
+def vllm_ready(args) -> str | None:
+    """None when vLLM's venv is there (built now if it was missing and may be built); else why not."""
+    if "why" not in _vllm_state:
+        why = None
+        if vllm_python() is None:
+            if args.no_build_vllm:
+                why = "no vLLM venv (make vllm-venv, or set VLLM_VENV); --no-build-vllm given"
+            else:
+                print("no vLLM venv: building it with scripts/vllm_venv.sh (several minutes) ...",
+                      file=sys.stderr, flush=True)
+                built = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_venv.sh")], cwd=ROOT, check=False)
+                if built.returncode != 0 or vllm_python() is None:
+                    why = f"could not build the vLLM venv (scripts/vllm_venv.sh exited {built.returncode})"
+        _vllm_state["why"] = why
+    return _vllm_state["why"]
 
 
-def transformers_peer(name: str, args, continuous_batching: bool) -> Peer | str:
-    """A `transformers serve` peer, or why it cannot run here."""
-    cli = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
-    if cli is None:
+def transformers_server(name: str, args, port: int) -> Server | str:
+    cli = Path(sys.executable).parent / "transformers"
+    if not cli.exists():
         return "the `transformers` command is not installed"
     try:
         import accelerate  # noqa: F401 - transformers serve loads models with a device_map
     except ImportError:
-        return "`transformers serve` needs the accelerate package (pip install accelerate)"
-    device = args.device if args.device != "auto" else ("cuda" if _cuda() else "cpu")
-    command = [cli, "serve", args.model, "--host", "127.0.0.1", "--log-level", "warning", "--device", device]
-    command.append("--continuous-batching" if continuous_batching else "--no-continuous-batching")
-    # min_new_tokens: transformers has no ignore_eos; this keeps it from stopping before T tokens.
-    config = json.dumps({"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "do_sample": False})
-    return Peer(name, command, {"generation_config": config}, env={"HF_HUB_OFFLINE": "1"}, model=args.model)
+        return "`transformers serve` needs accelerate: pip install -e '.[bench]'"
+    mode = "--continuous-batching" if name.endswith("-cb") else "--no-continuous-batching"
+    return Server(name, [str(cli), "serve", args.model, mode, "--device", "cpu", "--host", "127.0.0.1",
+                         "--port", str(port), "--log-level", "warning"], args.model,
+                  env={"HF_HUB_OFFLINE": "1"}, port=port, ignore_eos=False)
 
 
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
+# --- guidellm ----------------------------------------------------------------------------------
+def guidellm_command() -> str | None:
+    for python in (Path(sys.executable), vllm_python()):
+        if python is not None and (python.parent / "guidellm").exists():
+            return str(python.parent / "guidellm")
+    return None
 
 
-def measure(peer: Peer, args, logdir: Path) -> list[Round] | str:
-    """Start a peer, warm it up, run the rounds, stop it; a failure is reported, not raised."""
-    peer.port = free_port()
+def run_guidellm(guidellm: str, server: Server, args, streams: list[int], report: Path) -> list[dict]:
+    """One guidellm run through `streams`; per concurrency: output tok/s, requests, errors, TTFT."""
+    body: dict = {"temperature": 1.0}
+    data = f"kind=synthetic_text,prompt_tokens={args.prompt_tokens}"
+    if server.ignore_eos:  # guidellm then sends max_tokens and vLLM's ignore_eos
+        data += f",output_tokens={args.output_tokens}"
+    else:  # transformers refuses ignore_eos; its own generation_config does the same
+        body["generation_config"] = json.dumps({"min_new_tokens": args.output_tokens,
+                                                "max_new_tokens": args.output_tokens})
+    backend = {"kind": "openai_http", "target": server.url, "model": server.model, "extras": {"body": body}}
+    if not server.ignore_eos:
+        backend["max_tokens"] = args.output_tokens
+    counts = [max(args.min_requests, args.requests_per_stream * c) for c in streams]
+    command = [guidellm, "run", "--backend", json.dumps(backend),
+               "--profile", json.dumps({"kind": "concurrent", "streams": streams}),
+               "--constraint", json.dumps({"kind": "max_requests", "count": counts}),
+               *(["--constraint", json.dumps({"kind": "max_duration", "seconds": args.max_seconds})]
+                 if args.max_seconds else []),
+               "--data", data,
+               "--tokenizer", f"kind=hf_auto,model={args.model}",
+               "--output", f"kind=json,path={report}", "--disable-console"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if result.returncode != 0:
+        raise RuntimeError(f"guidellm exited {result.returncode}: {(result.stdout + result.stderr)[-1500:]}")
+    rows = []
+    for b in json.loads(report.read_text())["benchmarks"]:
+        m = b["metrics"]
+        rows.append({"streams": b["config"]["strategy"]["streams"],
+                     "tok_s": m["output_tokens_per_second"]["successful"]["mean"],
+                     "ok": m["request_totals"]["successful"], "errored": m["request_totals"]["errored"],
+                     "incomplete": m["request_totals"]["incomplete"],
+                     "ttft_ms": m["time_to_first_token_ms"]["successful"]["median"]})
+    return rows
+
+
+def warm_up(server: Server) -> None:
+    body = {"model": server.model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    with httpx.Client(timeout=120) as client:
+        for _ in range(2):
+            client.post(server.url + "/v1/chat/completions", json=body).raise_for_status()
+
+
+def counters(server: Server) -> tuple[float, float] | None:
+    if server.metrics is None:
+        return None
+    accepted, proposed = ACCEPTANCE_METRICS[server.metrics]
+    values = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.split("{")[0] in (accepted, proposed):
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value.split()[0])
+    return values.get(accepted, 0.0), values.get(proposed, 0.0)
+
+
+def measure(server: Server, guidellm: str, args, logdir: Path) -> dict | str:
+    """Start, warm up, drive, stop; a failure is reported, never raised (the others still run)."""
+    print(f"measuring {server.name} ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
     try:
-        peer.start(logdir)
-        peer.wait_ready()
-        asyncio.run(load_round(peer, 2, 8))  # warm-up: first-request costs are not throughput
-        return [asyncio.run(load_round(peer, args.clients, args.tokens)) for _ in range(args.rounds)]
-    except Exception as exc:  # noqa: BLE001 - one peer failing must not hide the others
+        server.start(logdir)
+        server.wait_ready()
+        ready = time.monotonic() - started
+        warm_up(server)
+        before = counters(server)
+        rows = run_guidellm(guidellm, server, args, list(args.concurrency), logdir / f"{server.name}.json")
+        after = counters(server)
+        acceptance = None
+        if before is not None and after[1] > before[1]:
+            acceptance = (after[0] - before[0]) / (after[1] - before[1])
+        return {"rows": {r["streams"]: r for r in rows}, "acceptance": acceptance, "startup_s": ready}
+    except Exception as exc:  # noqa: BLE001 - one server failing must not hide the others
         return f"failed: {exc}"
     finally:
-        peer.stop()
+        server.stop()
 
 
-def observing_cost(args, logdir: Path) -> dict | str:
-    """Alternate rounds against a metrics-on (scraped) and a metrics-off server, both with the draft."""
-    on, off = our_peer("metrics on", args, draft=True), our_peer("metrics off", args, draft=True, metrics=False)
+# --- the cost of observing -------------------------------------------------------------------
+def observing_cost(args, guidellm: str, logdir: Path) -> dict | str:
+    """Ours with the draft, metrics on (scraped every 0.1 s) vs off, alternating guidellm runs."""
+    c = max(args.concurrency)
+    on = our_server("metrics-on", args, free_port(), draft=True)
+    off = our_server("metrics-off", args, free_port(), draft=True, env={"VRAMLEDGER_METRICS": "off"})
+    figures: dict[str, list[float]] = {"on": [], "off": []}
+    scrapes: list[float] = []
     try:
-        for peer in (on, off):
-            peer.port = free_port()
-            peer.start(logdir)
-        for peer in (on, off):
-            peer.wait_ready()
-            asyncio.run(load_round(peer, 2, 8))
-        on_rounds, off_rounds, scrapes = [], [], []
-        for i in range(2 * args.rounds):
-            if (i + i // 2) % 2 == 0:  # on, off, off, on, on, off, ...: neither side always goes first
-                result, latencies = asyncio.run(scrape_while(on, load_round(on, args.clients, args.tokens)))
-                on_rounds.append(result)
-                scrapes += latencies
-            else:
-                off_rounds.append(asyncio.run(load_round(off, args.clients, args.tokens)))
-        return {"on": statistics.median(r.tokens_per_s for r in on_rounds),
-                "off": statistics.median(r.tokens_per_s for r in off_rounds),
-                "on_cpu": statistics.median(r.tokens / r.cpu_seconds for r in on_rounds),
-                "off_cpu": statistics.median(r.tokens / r.cpu_seconds for r in off_rounds),
-                "scrape_p99": percentile(scrapes, 99), "scrapes": len(scrapes)}
+        for server in (on, off):
+            server.start(logdir)
+        for server in (on, off):
+            server.wait_ready()
+            warm_up(server)
+        for i in range(4):  # on, off, off, on: neither side always goes first
+            side = "on" if i in (0, 3) else "off"
+            server = on if side == "on" else off
+            stop = threading.Event()
+            scraper = threading.Thread(target=scrape, args=(on, stop, scrapes)) if side == "on" else None
+            if scraper:
+                scraper.start()
+            try:
+                (row,) = run_guidellm(guidellm, server, args, [c], logdir / f"observing-{i}.json")
+            finally:
+                stop.set()
+                if scraper:
+                    scraper.join()
+            figures[side].append(row["tok_s"])
+        scrapes.sort()
+        return {"streams": c, "on": statistics.median(figures["on"]), "off": statistics.median(figures["off"]),
+                "scrape_p99": scrapes[min(len(scrapes) - 1, round(0.99 * (len(scrapes) - 1)))],
+                "scrapes": len(scrapes)}
     except Exception as exc:  # noqa: BLE001
         return f"failed: {exc}"
     finally:
@@ -225,81 +294,139 @@ def observing_cost(args, logdir: Path) -> dict | str:
         off.stop()
 
 
-# --- report ----------------------------------------------------------------------------------
-def summarize(rounds: list[Round]) -> dict:
-    ttfts = [t for r in rounds for t in r.ttfts]
-    return {"tokens_per_s": statistics.median(r.tokens_per_s for r in rounds),
-            "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
-            "tokens": rounds[0].tokens}
+def scrape(server: Server, stop: threading.Event, latencies: list[float]) -> None:
+    with httpx.Client(timeout=30) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            client.get(server.url + "/metrics").raise_for_status()
+            latencies.append(time.perf_counter() - start)
+            stop.wait(0.1)
 
 
-def print_report(results: dict[str, dict | str], observing: dict | str, args) -> None:
-    print(f"\n{args.clients} concurrent streaming clients x {args.tokens} tokens, greedy, "
-          f"median of {args.rounds} rounds; model {args.model}")
-    print(f"{'peer':<34} {'output tok/s':>12} {'TTFT p50 s':>11} {'TTFT p99 s':>11} {'tokens':>7}")
-    for name, r in results.items():
+# --- the report --------------------------------------------------------------------------------
+def best_transformers(results: dict) -> dict | str | None:
+    """The better of transformers serve's two modes at each concurrency, the mode named."""
+    modes = {n: r for n, r in results.items() if n.startswith("transformers")}
+    if not modes:
+        return None
+    measured = {n: r for n, r in modes.items() if isinstance(r, dict)}
+    if not measured:
+        return "; ".join(f"{n}: {r}" for n, r in modes.items())
+    rows = {}
+    for name, r in measured.items():
+        tag = "cb" if name.endswith("-cb") else "no cb"
+        for c, row in r["rows"].items():
+            if c not in rows or row["tok_s"] > rows[c]["tok_s"]:
+                rows[c] = {**row, "mode": tag}
+    return {"rows": rows, "acceptance": None}
+
+
+def print_report(results: dict, observing, args) -> None:
+    table = {n: r for n, r in results.items() if not n.startswith("transformers")}
+    best = best_transformers(results)
+    order = [n for n in ("vllm", "vllm-draft") if n in table]
+    if best is not None:
+        table["transformers"] = best
+        order.append("transformers")
+    order += [n for n in ("ours", "ours-draft") if n in table]
+    cs = list(args.concurrency)
+    print(f"\nguidellm {guidellm_version()}: chat completions, synthetic {args.prompt_tokens}-token prompts, "
+          f"{args.output_tokens} output tokens (ignore_eos), temperature 1.0, float32, CPU; "
+          f"{args.requests_per_stream} requests per stream (at least {args.min_requests})"
+          + (f", at most {args.max_seconds:.0f} s" if args.max_seconds else "") + "; one server at a time")
+    print("mean output tokens/s (guidellm), by concurrent streams\n")
+    print("| server | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in cs) + " | draft acceptance | errored |")
+    print("|---" * (len(cs) + 3) + "|")
+    for name in order:
+        r = table[name]
         if isinstance(r, str):
-            print(f"{name:<34} {'n/a':>12} {'n/a':>11} {'n/a':>11}   ({r})")
+            print(f"| {LABELS[name]} | " + " | ".join("n/a" for _ in cs) + f" | n/a | {r} |")
+            continue
+        cells = []
+        for c in cs:
+            row = r["rows"].get(c)
+            cells.append("n/a" if row is None else f"{row['tok_s']:.0f}" + (f" ({row['mode']})" if "mode" in row else ""))
+        errored = str(sum(row["errored"] for row in r["rows"].values()))
+        incomplete = sum(row["incomplete"] for row in r["rows"].values())
+        if incomplete:  # cut by --max-seconds, not failed
+            errored += f" ({incomplete} cut by --max-seconds)"
+        acceptance = "" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
+        print(f"| {LABELS[name]} | " + " | ".join(cells) + f" | {acceptance} | {errored} |")
+    ref = table.get("vllm")
+    print("\nratio to vLLM plain (higher is better)\n")
+    print("| server | " + " | ".join(f"{c}" for c in cs) + " |")
+    print("|---" * (len(cs) + 1) + "|")
+    for name in order:
+        r = table[name]
+        cells = []
+        for c in cs:
+            row = r["rows"].get(c) if isinstance(r, dict) else None
+            base = ref["rows"].get(c) if isinstance(ref, dict) else None
+            cells.append(f"{row['tok_s'] / base['tok_s']:.2f}x" if row and base and base["tok_s"] else "n/a")
+        print(f"| {LABELS[name]} | " + " | ".join(cells) + " |")
+    ttft = [(n, table[n]) for n in order if isinstance(table[n], dict)]
+    if ttft:
+        print("\nTTFT median ms (guidellm): " + "; ".join(
+            f"{LABELS[n]}: " + "/".join(f"{r['rows'][c]['ttft_ms']:.0f}" if c in r["rows"] else "n/a" for c in cs)
+            for n, r in ttft))
+    if observing is not None:
+        print("\ncost of observing (ours with the draft; metrics on and scraped every 0.1 s vs VRAMLEDGER_METRICS=off)")
+        if isinstance(observing, str):
+            print(f"  n/a ({observing})")
         else:
-            print(f"{name:<34} {r['tokens_per_s']:>12.1f} {r['ttft_p50']:>11.3f} {r['ttft_p99']:>11.3f} "
-                  f"{r['tokens']:>7}")
-    theirs = [r for name, r in results.items() if name.startswith("transformers") and isinstance(r, dict)]
-    print("\nratios against the best transformers figure (throughput: higher is better, target >= 2.0; "
-          "TTFT: theirs / ours, higher is better)")
-    for name, r in results.items():
-        if not name.startswith("ours"):
-            continue
-        if isinstance(r, str) or not theirs:
-            print(f"  {name:<32} n/a")
-            continue
-        best_tps = max(t["tokens_per_s"] for t in theirs)
-        best_p50 = min(t["ttft_p50"] for t in theirs)
-        best_p99 = min(t["ttft_p99"] for t in theirs)
-        print(f"  {name:<32} throughput x{r['tokens_per_s'] / best_tps:.2f}   TTFT p50 x{best_p50 / r['ttft_p50']:.2f}"
-              f"   TTFT p99 x{best_p99 / r['ttft_p99']:.2f}")
-    print("\ncost of observing (ours, draft on; metrics on and scraped every 0.1 s vs VRAMLEDGER_METRICS=off)")
-    if isinstance(observing, str):
-        print(f"  n/a ({observing})")
-    else:
-        print(f"  throughput on {observing['on']:.1f} tok/s, off {observing['off']:.1f} tok/s: ratio "
-              f"{observing['on'] / observing['off']:.3f} (target >= 0.99)")
-        print(f"  per CPU-second of the server: on {observing['on_cpu']:.1f} tok, off {observing['off_cpu']:.1f} "
-              f"tok: ratio {observing['on_cpu'] / observing['off_cpu']:.3f}")
-        print(f"  /metrics latency p99 under load: {observing['scrape_p99'] * 1000:.1f} ms "
-              f"({observing['scrapes']} scrapes)")
+            print(f"  {observing['streams']} streams: on {observing['on']:.1f} tok/s, off {observing['off']:.1f} tok/s:"
+                  f" ratio {observing['on'] / observing['off']:.3f} (target >= 0.99); /metrics p99 under load "
+                  f"{observing['scrape_p99'] * 1000:.1f} ms ({observing['scrapes']} scrapes)")
+
+
+def guidellm_version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("guidellm")
+    except metadata.PackageNotFoundError:
+        return "(from the vLLM venv)"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(ASSETS / "tiny-coder-target"))
     parser.add_argument("--draft-model", default=str(ASSETS / "tiny-coder-draft"))
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--part", choices=["all", "throughput", "observing"], default="all")
+    parser.add_argument("--k", type=int, default=4, help="speculative tokens per step (vLLM and ours)")
+    parser.add_argument("--concurrency", default="1,4,16,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--requests-per-stream", type=int, default=3)
+    parser.add_argument("--min-requests", type=int, default=8, help="at least this many at each concurrency")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="also end each concurrency's run after this long (in-flight requests are cut)")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--servers", default=",".join(SERVERS), type=lambda s: s.split(","),
+                        help=f"a subset of {','.join(SERVERS)}")
+    parser.add_argument("--no-build-vllm", action="store_true", help="skip vLLM when its venv is missing")
+    parser.add_argument("--observing", action="store_true", help="also measure the cost of observing")
+    parser.add_argument("--json", metavar="FILE", help="also write the raw results here")
     args = parser.parse_args()
+    unknown = set(args.servers) - set(SERVERS)
+    if unknown:
+        parser.error(f"unknown servers {sorted(unknown)}; choose from {','.join(SERVERS)}")
     for path in (args.model, args.draft_model):
         if not Path(path, "config.json").is_file():
             print(f"error: no checkpoint at {path} (pass --model/--draft-model)", file=sys.stderr)
             return 2
+    guidellm = guidellm_command()
+    if guidellm is None:
+        print("error: guidellm is not installed: pip install -e '.[bench]' (or make vllm-venv)", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         logdir = Path(tmp)
-        results: dict[str, dict | str] = {}
-        peers: list[tuple[str, Peer | str]] = [("ours, draft on", our_peer("ours draft on", args, True)),
-                                               ("ours, draft off", our_peer("ours draft off", args, False))]
-        for name, cb in (("transformers serve", False), ("transformers serve --continuous-batching", True)):
-            peers.append((name, "skipped (--skip-transformers)" if args.skip_transformers
-                          else transformers_peer(name, args, cb)))
-        for name, peer in peers:
-            print(f"measuring {name} ...", file=sys.stderr, flush=True)
-            rounds = "skipped (--part)" if args.part == "observing" else \
-                peer if isinstance(peer, str) else measure(peer, args, logdir)
-            results[name] = rounds if isinstance(rounds, str) else summarize(rounds)
-        print("measuring the cost of observing ...", file=sys.stderr, flush=True)
-        observing = "skipped (--part)" if args.part == "throughput" else observing_cost(args, logdir)
+        results = {}
+        for name, server in build_servers(args, free_port).items():
+            results[name] = server if isinstance(server, str) else measure(server, guidellm, args, logdir)
+            print(f"  {name}: {json.dumps(results[name], default=str)}", file=sys.stderr, flush=True)
+        observing = observing_cost(args, guidellm, logdir) if args.observing else None
         print_report(results, observing, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"results": results, "observing": observing}, indent=1,
+                                                  default=str))
     return 0
 
 

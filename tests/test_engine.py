@@ -123,3 +123,45 @@ def test_generate_cli_runs_the_shipped_pair_with_no_flags():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def fibonacci(n):")
     assert "acceptance rate" in result.stderr and "mean acceptance length" in result.stderr
+
+
+def test_penalties_min_tokens_and_logprobs_agree_between_speculative_and_plain(checkpoints):
+    """Greedy with penalties and min_tokens: the draft changes neither the tokens nor their logprobs."""
+    params = SamplingParams(max_tokens=20, temperature=0, presence_penalty=1.5, frequency_penalty=1.0,
+                            repetition_penalty=1.5, logprobs=3)
+    unpenalised = engine(checkpoints["llama"]).generate(prompts(4), GREEDY)
+    plain_engine = engine(checkpoints["llama"])
+    plain = plain_engine.generate(prompts(4), params)
+    spec = engine(checkpoints["llama"], checkpoints["llama-draft"]).generate(prompts(4), params)
+    assert [r[0] for r in spec] == [r[0] for r in plain]
+    assert [r[0] for r in plain] != [r[0][:20] for r in unpenalised]  # the penalties change the text
+    # A strong repetition penalty keeps greedy decoding from repeating a token in a row.
+    assert all(a != b for r in plain for a, b in zip(r[0], r[0][1:]))
+
+    rid = plain_engine.add_request(prompts(1)[0], params)
+    outs = []
+    while plain_engine.has_unfinished_requests():
+        outs += [o for o in plain_engine.step() if o.request_id == rid]
+    logprobs = [lp for o in outs for lp in o.logprobs]
+    assert [lp.token_id for lp in logprobs] == plain[0][0]
+    for lp in logprobs:
+        assert len(lp.top) == 3 and lp.logprob <= 0 and lp.text == plain_engine.tokenizer.decode([lp.token_id])
+        assert [v for _, _, v in lp.top] == sorted((v for _, _, v in lp.top), reverse=True)
+        assert lp.top[0][2] >= lp.logprob  # the model's own distribution: the choice was penalised
+
+
+def test_min_tokens_holds_back_end_of_text_and_stop_token_ids_end_the_request(checkpoints):
+    e = engine(checkpoints["llama"], checkpoints["llama-draft"])
+    (tokens, _, _), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=30, temperature=0,
+                                                                     ignore_eos=True))
+    stop_id = tokens[5]
+    first = tokens.index(stop_id)
+    (stopped, stopped_text, reason), = e.generate([prompts(1)[0]], SamplingParams(
+        max_tokens=30, temperature=0, stop_token_ids=[stop_id]))
+    assert reason == "stop" and stopped == tokens[:first + 1]
+    assert stopped_text == e.tokenizer.decode(tokens[:first], skip_special_tokens=True)  # without the stop token
+    # min_tokens: that token may not end the request (nor be chosen) before 10 tokens are out.
+    e.eos_token_ids = {stop_id}
+    (held, _, reason), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=30, temperature=0, min_tokens=10))
+    assert stop_id not in held[:10] and len(held) > 10
+    assert reason == "length" or held[-1] == stop_id

@@ -1,7 +1,8 @@
 """The rejection sampler emits the target's distribution, whatever the draft proposes."""
 import torch
 
-from worker.engine.sampler import RowParams, exponential_noise
+from worker.engine.penalties import History
+from worker.engine.sampler import RowParams, exponential_noise, probabilities, sample
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.spec_decode import verify
 
@@ -53,3 +54,38 @@ def test_greedy_rows_accept_exactly_while_draft_equals_target_argmax():
     assert n.tolist() == [1] and tokens[0, :2].tolist() == [1, 0]
     n, tokens = verify(torch.tensor([[1, 0]]), q, p, rows)
     assert n.tolist() == [2] and tokens[0].tolist() == [1, 0, 2]
+
+
+def test_penalised_target_and_draft_keep_rejection_sampling_exact():
+    """Penalties and min_tokens applied to draft and target alike: the output follows the penalised target."""
+    gen = torch.Generator().manual_seed(5)
+    target_logits = torch.randn(2, V, generator=gen) * 1.5  # positions 0 and 1 of a verification
+    draft_logits = torch.randn(1, V, generator=gen) * 1.5
+    params = SamplingParams(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.5,
+                            repetition_penalty=1.3, min_tokens=4, max_tokens=16)
+    prompt, output, eos = [3, 4], [1, 1, 2], {0}  # one more token before end-of-text (0) may come
+
+    def history(n):
+        return History([params] * n, [prompt] * n, [output] * n, eos, V, torch.device("cpu"))
+
+    one = history(1)
+    p0 = one.adjust(target_logits[:1]).softmax(-1)[0]
+    assert p0[0] == 0  # end-of-text is held back at the first position
+    assert (p0 - target_logits[0].softmax(-1)).abs().max() > 5 * BOUND  # the penalties matter here
+
+    torch.manual_seed(2)
+    rows = RowParams([params] * N, [None] * N, torch.device("cpu"), history(N))
+    q = probabilities(draft_logits.expand(N, V), rows)  # [N, V]
+    draft = sample(q, rows)
+    adjusted = rows.history.adjust_positions(target_logits.expand(N, 2, V), draft[:, None])
+    p = probabilities(adjusted.flatten(0, 1), rows.expand(2)).view(N, 2, V)
+    num_accepted, tokens = verify(draft[:, None], q[:, None], p, rows)
+
+    assert (frequencies(tokens[:, 0]) - p0).abs().max() < BOUND
+    # The bonus token after an accepted proposal x follows the target penalised with x counted too,
+    # where end-of-text is allowed again.
+    x = torch.mode(draft[num_accepted == 1]).values.item()
+    bonus = tokens[(num_accepted == 1) & (draft == x), 1]
+    p1 = one.adjust(target_logits[1:], torch.tensor([[x]])).softmax(-1)[0]
+    assert p1[0] > 0 and (p1 - one.adjust(target_logits[1:]).softmax(-1)[0]).abs().max() > 5 * BOUND
+    assert (frequencies(bonus) - p1).abs().max() < 5 * (0.25 / len(bonus)) ** 0.5

@@ -31,13 +31,21 @@ def check_error(response: httpx.Response, status: int, param: str | None = None,
     ({**OK, "max_tokens": "5"}, "max_tokens", "invalid_value"),  # wrong type (no coercion)
     ({**OK, "stream": "yes"}, "stream", "invalid_value"),
     ({**OK, "prompt": 5}, "prompt", "invalid_value"),
-    ({**OK, "logprobs": 3}, "logprobs", "unsupported_parameter"),  # unknown field: not silently ignored
+    ({**OK, "echo": True}, "echo", "unsupported_parameter"),  # unknown field: not silently ignored
+    ({**OK, "logprobs": 21}, "logprobs", "invalid_value"),
+    ({**OK, "min_tokens": 3}, "min_tokens", "invalid_value"),  # more than max_tokens
+    ({**OK, "stop_token_ids": [10**6]}, "stop_token_ids", "invalid_value"),  # outside the vocabulary
+    ({**OK, "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({**OK, "frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
+    ({**OK, "repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({**OK, "stream_options": {"include_usage": True, "other": 1}}, "stream_options", "unsupported_parameter"),
     ({**OK, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ({**OK, "max_tokens": -3}, "max_tokens", "invalid_value"),
     ({**OK, "max_tokens": 10**6}, "max_tokens", "context_length_exceeded"),  # above max_model_len
     ({**OK, "temperature": -0.5}, "temperature", "invalid_value"),
     ({**OK, "top_p": 0}, "top_p", "invalid_value"),
-    ({**OK, "n": 2}, "n", "invalid_value"),
+    ({**OK, "n": 0}, "n", "invalid_value"),
+    ({**OK, "n": 1000}, "n", "invalid_value"),
     ({**OK, "stop": [""]}, "stop", "invalid_value"),
     ({**OK, "seed": 2**70}, "seed", "invalid_value"),
     ({**OK, "top_k": 2**40}, "top_k", "invalid_value"),  # would overflow the sampler's int64 tensor
@@ -58,6 +66,8 @@ def test_bad_completion_request_is_400(spec_server, body, param, code):
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
      "messages"),
     ({**CHAT, "tools": []}, "tools"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+    ({**CHAT, "logprobs": 2}, "logprobs"),  # a boolean in chat
     ({**CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),
 ])
 def test_bad_chat_request_is_400(spec_server, body, param):
@@ -143,3 +153,9 @@ def test_concurrent_bad_requests_leave_the_server_healthy(spec_server):
     for t in threads:
         t.join()
     assert statuses == [400] * 8 and httpx.get(spec_server.url + "/health").status_code == 200
+
+
+def test_more_choices_than_the_queue_holds_is_400(plain_server):
+    # plain: one waiting slot, so two choices could never be admitted together
+    response = httpx.post(plain_server.url + "/v1/completions", json={**OK, "n": 2}, headers=AUTH)
+    check_error(response, 400, "n", "invalid_value")

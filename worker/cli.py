@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, running requests get this long to finish before they are aborted "
                             "(default 30; match the pod's terminationGracePeriodSeconds)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name the API answers to and reports (default: the model directory's name)")
     serve.set_defaults(run=run_serve)
 
     prof = sub.add_parser("profile", help="load, profile, print the memory ledger, exit")

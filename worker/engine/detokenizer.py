@@ -11,10 +11,10 @@ class IncrementalText:
         self.text = ""
         self.emitted = 0
 
-    def update(self, output_token_ids: list[int]) -> bool:
+    def update(self, output_token_ids: list[int], check_stop: bool = True) -> bool:
         """Re-decode the output; True when a stop string appeared (text is cut before it)."""
         self.text = self.tokenizer.decode(output_token_ids, skip_special_tokens=True)
-        for s in self.stop:
+        for s in self.stop if check_stop else ():
             at = self.text.find(s, max(0, self.emitted - len(s)))
             if at != -1:
                 self.text = self.text[:at]
@@ -35,3 +35,17 @@ class IncrementalText:
         out = self.text[self.emitted:end]
         self.emitted = max(self.emitted, end)
         return out
+
+
+class TokenTexts:
+    """Each token's own text (for logprobs), decoded once per token id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -11,11 +11,12 @@ from tqdm import tqdm
 
 from worker.config import EngineConfig
 from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalText
+from worker.engine.detokenizer import IncrementalText, TokenTexts
 from worker.engine.memory_setup import plan_memory
 from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import EngineStats, RequestOutput
-from worker.engine.sampler import RowParams, probabilities, sample
+from worker.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from worker.engine.penalties import History
+from worker.engine.sampler import RowParams, probabilities, sample, top_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
@@ -65,6 +66,8 @@ class LLMEngine:
         self.stats = EngineStats(num_speculative_tokens=self.k)
         self.ledger.blocks_used = lambda: self.blocks.num_used
         self.eos_token_ids = eos_ids(self.tokenizer, target.config)
+        self.vocab_size = target.config.vocab_size
+        self._token_texts = TokenTexts(self.tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._text: dict[str, IncrementalText] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -118,17 +121,37 @@ class LLMEngine:
         if batch is None:
             return []
         if batch.is_prefill:
-            new_tokens, accepted = self._prefill(batch.seqs), None
+            (new_tokens, logprobs), accepted = self._prefill(batch.seqs), None
         elif self.k == 0:
-            new_tokens, accepted = self._decode_plain(batch.seqs), None
+            (new_tokens, logprobs), accepted = self._decode_plain(batch.seqs), None
         else:
-            new_tokens, accepted = self._decode_speculative(batch.seqs)
+            new_tokens, accepted, logprobs = self._decode_speculative(batch.seqs)
         self.stats.steps += 1
-        return self._postprocess(batch.seqs, new_tokens, accepted)
+        return self._postprocess(batch.seqs, new_tokens, accepted, logprobs)
 
     def _rows(self, seqs: list[Sequence]) -> RowParams:
-        return RowParams([s.params for s in seqs], [self._generators[s.request_id] for s in seqs],
-                         self.device.torch_device)
+        params, outputs = [s.params for s in seqs], [s.output_token_ids for s in seqs]
+        history = History(params, [s.prompt_token_ids for s in seqs], outputs, self.eos_token_ids,
+                          self.vocab_size, self.device.torch_device) if History.needed(params, outputs) else None
+        return RowParams(params, [self._generators[s.request_id] for s in seqs], self.device.torch_device,
+                         history)
+
+    def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> list:
+        """Per row, the target's log-probabilities of tokens [B, P] under logits [B, P, V] (None: not asked)."""
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        if not want:
+            return out
+        P, text = tokens.shape[1], self._token_texts
+        rows = torch.tensor(want, device=logits.device)
+        chosen, ids, values = top_logprobs(logits[rows].flatten(0, 1), tokens[rows].flatten(),
+                                           max(seqs[i].params.logprobs for i in want))
+        for r, i in enumerate(want):
+            n = seqs[i].params.logprobs
+            out[i] = [TokenLogprob(t, text(t), chosen[r * P + j],
+                                   [(a, text(a), v) for a, v in zip(ids[r * P + j][:n], values[r * P + j][:n])])
+                      for j, t in enumerate(tokens[i].tolist())]
+        return out
 
     def _prefill(self, seqs: list[Sequence]) -> list[list[int]]:
         rows = [s.token_ids[s.num_cached:] for s in seqs]
@@ -141,7 +164,8 @@ class LLMEngine:
             self.stats.prompt_tokens += len(s) - s.num_cached
             s.num_cached = s.num_draft_cached = len(s)
         rp = self._rows(seqs)
-        return [[t] for t in sample(probabilities(logits, rp), rp).tolist()]
+        tokens = sample(probabilities(logits, rp), rp)
+        return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
     def _decode_plain(self, seqs: list[Sequence]) -> list[list[int]]:
         rows = [[s.token_ids[-1]] for s in seqs]
@@ -150,9 +174,10 @@ class LLMEngine:
         for s in seqs:
             s.num_cached = len(s)
         rp = self._rows(seqs)
-        return [[t] for t in sample(probabilities(logits, rp), rp).tolist()]
+        tokens = sample(probabilities(logits, rp), rp)
+        return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
-    def _decode_speculative(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int]]:
+    def _decode_speculative(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int], list]:
         B, k, dev = len(seqs), self.k, self.device.torch_device
         lens = [len(s) for s in seqs]
         tables = [s.block_table for s in seqs]
@@ -164,7 +189,7 @@ class LLMEngine:
         draft_probs, draft_tokens = [], []
         for i in range(k):
             logits = self.runner.forward("draft", rows, starts, tables, 1, input_ids=feed)[:, 0]
-            q = probabilities(logits, rp)  # [B, V]
+            q = probabilities(logits, rp, torch.stack(draft_tokens, 1) if draft_tokens else None)  # [B, V]
             d = sample(q, rp)  # [B]
             draft_probs.append(q)
             draft_tokens.append(d)
@@ -174,7 +199,9 @@ class LLMEngine:
         last = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)[:, None]
         logits = self.runner.forward("target", [[0] * (k + 1)] * B, [n - 1 for n in lens], tables,
                                      k + 1, input_ids=torch.cat([last, drafts], 1))  # [B, k+1, V]
-        p = probabilities(logits.flatten(0, 1), rp.expand(k + 1)).view(B, k + 1, -1)
+        # Penalties see the proposals before each position, as the draft saw them when proposing.
+        adjusted = logits if rp.history is None else rp.history.adjust_positions(logits, drafts)
+        p = probabilities(adjusted.flatten(0, 1), rp.expand(k + 1)).view(B, k + 1, -1)
         num_accepted, tokens = verify(drafts, torch.stack(draft_probs, 1), p, rp)
         accepted = num_accepted.tolist()
         emitted = [row[:n + 1] for row, n in zip(tokens.tolist(), accepted)]
@@ -185,18 +212,21 @@ class LLMEngine:
             s.num_draft_tokens += k
             s.num_accepted_tokens += n
         self.stats.record_verification(accepted)
-        return emitted, accepted
+        return emitted, accepted, self._logprobs(seqs, logits, tokens)
 
     def _postprocess(self, seqs: list[Sequence], new_tokens: list[list[int]],
-                     accepted: list[int] | None) -> list[RequestOutput]:
+                     accepted: list[int] | None, logprobs: list) -> list[RequestOutput]:
         outputs = []
-        for s, tokens in zip(seqs, new_tokens):
+        for s, tokens, lp in zip(seqs, new_tokens, logprobs):
             if s.first_token_time is None:
                 s.first_token_time = time.monotonic()
             appended, reason = self._append(s, tokens)
             self.stats.generation_tokens += len(appended)
             text = self._text[s.request_id]
-            if text.update(s.output_token_ids) and reason is None:
+            out_ids = s.output_token_ids
+            if reason == "stop" and out_ids[-1] in s.params.stop_token_ids:
+                out_ids = out_ids[:-1]  # a stop token's text is not part of the completion
+            if text.update(out_ids, check_stop=len(out_ids) >= s.params.min_tokens) and reason is None:
                 reason = "stop"
             if reason is not None:
                 self.scheduler.finish(s, reason)
@@ -206,7 +236,8 @@ class LLMEngine:
                 self.blocks.trim(s, len(s))
             outputs.append(RequestOutput(
                 s.request_id, appended, text.delta(final=reason is not None), reason is not None, reason,
-                s.num_prompt_tokens, len(s.output_token_ids), s.num_draft_tokens, s.num_accepted_tokens))
+                s.num_prompt_tokens, len(s.output_token_ids), s.num_draft_tokens, s.num_accepted_tokens,
+                lp[:len(appended)] if lp is not None else None))
             if reason is not None:
                 self._forget(s)
         return outputs
@@ -217,7 +248,8 @@ class LLMEngine:
         for t in tokens:
             s.output_token_ids.append(t)
             appended.append(t)
-            if t in self.eos_token_ids and not s.params.ignore_eos:
+            if len(s.output_token_ids) > s.params.min_tokens and (
+                    t in s.params.stop_token_ids or (t in self.eos_token_ids and not s.params.ignore_eos)):
                 return appended, "stop"
             if len(s.output_token_ids) >= s.params.max_tokens or len(s) >= self.config.max_model_len:
                 return appended, "length"

@@ -5,6 +5,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the target, and the most likely alternatives."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]]  # (token id, text, logprob), most likely first
+
+
+@dataclass
 class RequestOutput:
     """The tokens and text one request gained in one step."""
 
@@ -17,6 +27,7 @@ class RequestOutput:
     num_output_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """OpenAI requests to engine inputs: token ids, sampling settings, and 400s for what does not fit."""
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi.exceptions import RequestValidationError
 
 from worker.engine.sampling_params import SamplingParams
@@ -64,7 +66,7 @@ def chat_token_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
 
 
 def sampling_params(body: SamplingRequest, prompt_tokens: int, max_model_len: int, chat: bool,
-                    param: str) -> SamplingParams:
+                    param: str, vocab_size: int | None = None) -> SamplingParams:
     """The engine's SamplingParams; the prompt and max_tokens must fit in max_model_len together."""
     room = max_model_len - prompt_tokens  # the engine needs the prompt plus at least one new token to fit
     if room < 1:
@@ -80,6 +82,25 @@ def sampling_params(body: SamplingRequest, prompt_tokens: int, max_model_len: in
         raise APIError(400, f"{name}={requested} is too large: the prompt has {prompt_tokens} tokens and "
                        f"max_model_len is {max_model_len}, so at most {room} new tokens fit", param=name,
                        code="context_length_exceeded")
+    if body.min_tokens > requested:
+        raise APIError(400, f"min_tokens={body.min_tokens} is more than {name}={requested}", param="min_tokens",
+                       code="invalid_value")
+    stop_ids = body.stop_token_ids or []
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
+        raise APIError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids",
+                       code="invalid_value")
+    if chat and body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     return SamplingParams(max_tokens=requested, temperature=body.effective_temperature, top_p=body.top_p,
                           top_k=max(0, body.top_k), seed=body.seed, stop=body.stop_list,
-                          ignore_eos=body.ignore_eos)
+                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                          repetition_penalty=body.repetition_penalty, logprobs=body.num_logprobs)
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice; a seeded request gives each choice its own seed (seed ^ index),
+    so the choices differ and the whole answer is reproducible."""
+    if params.seed is None or n == 1:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed ^ i) for i in range(n)]

@@ -37,10 +37,17 @@ from worker.http.api_models import (
     SamplingRequest,
     error_body,
 )
+from worker.http.choices import Job, collect, events
 from worker.http.drain import Drain, DrainGate, DrainingServer
-from worker.http.engine_loop import EngineFailed, EngineLoop
+from worker.http.engine_loop import EngineLoop
 from worker.http.metrics import EngineCollector, RequestMetrics, WorkerInfo
-from worker.http.openai_protocol import chat_token_ids, prompt_token_ids, sampling_params, validation_error
+from worker.http.openai_protocol import (
+    chat_token_ids,
+    choice_params,
+    prompt_token_ids,
+    sampling_params,
+    validation_error,
+)
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "VRAMLEDGER_API_KEY"
@@ -174,10 +181,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 # --- streaming -------------------------------------------------------------------------------
-def sse(doc: dict) -> str:
-    return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
-
-
 class EventStream(StreamingResponse):
     """Server-sent events that notice a client that left even while no token is due."""
 
@@ -200,16 +203,6 @@ class EventStream(StreamingResponse):
 async def until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-@dataclass
-class Job:
-    """One admitted request: its engine id, its output queue and how to render it."""
-
-    request_id: str
-    stream: asyncio.Queue
-    render: ResponseRenderer
-    prompt_tokens: int
 
 
 # --- the app -----------------------------------------------------------------------------------
@@ -286,62 +279,45 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
 
     def admit(body: SamplingRequest, token_ids: list[int], chat: bool, param: str) -> Job:
         engine = engine_or_503()
-        params = sampling_params(body, len(token_ids), engine.config.max_model_len, chat, param)
-        if engine_loop.num_waiting() >= settings.max_waiting:
+        params = sampling_params(body, len(token_ids), engine.config.max_model_len, chat, param,
+                                 state["vocab_size"])
+        if body.n > settings.max_waiting:  # could never be admitted: the client's to change
+            raise APIError(400, f"n={body.n} is more than this worker queues ({settings.max_waiting})",
+                           param="n", code="invalid_value")
+        if engine_loop.num_waiting() + body.n > settings.max_waiting:
             raise APIError(503, f"the worker is overloaded ({settings.max_waiting} requests waiting); "
                            "retry later", type="server_error", code="queue_full", headers={"Retry-After": "1"})
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = engine_loop.submit(request_id, token_ids, params, time.monotonic())
-        return Job(request_id, stream, ResponseRenderer(request_id, chat, model_name, body.return_token_ids),
-                   len(token_ids))
+        choice_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
+        arrival = time.monotonic()
+        streams = [engine_loop.submit(choice_id, token_ids, p, arrival)  # n sequences, one prompt
+                   for choice_id, p in zip(choice_ids, choice_params(params, body.n))]
+        render = ResponseRenderer(request_id, chat, model_name, body.return_token_ids, body.num_logprobs)
+        return Job(request_id, choice_ids, streams, render, len(token_ids))
+
+    def abort(job: Job) -> None:
+        for choice_id in job.choice_ids:
+            engine_loop.abort(choice_id)
 
     async def respond(request: Request, body: SamplingRequest, job: Job):
         if body.stream:
-            return EventStream(events(job, body.include_usage), media_type="text/event-stream",
+            return EventStream(events(job, body.include_usage, body.continuous_usage, engine_loop.abort),
+                               media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        collect = asyncio.ensure_future(collect_all(job))
+        collecting = asyncio.ensure_future(collect(job))
         gone = asyncio.ensure_future(until_disconnected(request))
         try:
-            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((collecting, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collect.done():  # the client left (or we are cancelled): free its blocks
-                collect.cancel()
-                engine_loop.abort(job.request_id)
-        if not collect.done() or collect.cancelled():
+            if not collecting.done():  # the client left (or we are cancelled): free its blocks
+                collecting.cancel()
+                abort(job)
+        if not collecting.done() or collecting.cancelled():
             return Response(status_code=499)
-        text, token_ids, reason = collect.result()
-        return JSONResponse(job.render.response(text, token_ids, reason, job.prompt_tokens))
-
-    async def collect_all(job: Job):
-        text, token_ids = [], []
-        while True:
-            out = await job.stream.get()
-            if isinstance(out, EngineFailed):
-                raise APIError(500, str(out), type="server_error", code="engine_failed")
-            text.append(out.text)
-            token_ids.extend(out.new_token_ids)
-            if out.finished:
-                return "".join(text), token_ids, out.finish_reason
-
-    async def events(job: Job, include_usage: bool):
-        finished, completion_tokens = False, 0
-        try:
-            while not finished:
-                out = await job.stream.get()
-                if isinstance(out, EngineFailed):
-                    yield sse(error_body(str(out), "server_error", None, "engine_failed"))
-                    finished = True
-                    return
-                finished, completion_tokens = out.finished, out.num_output_tokens
-                if out.text or finished or (job.render.return_token_ids and out.new_token_ids):
-                    yield sse(job.render.chunk(out.text, out.new_token_ids, out.finish_reason))
-            if include_usage:
-                yield sse(job.render.usage_chunk(job.prompt_tokens, completion_tokens))
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:
-                engine_loop.abort(job.request_id)
+        if collecting.exception() is not None:
+            abort(job)  # one choice failed: the others stop too
+        return JSONResponse(job.render.response(collecting.result(), job.prompt_tokens))
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request):
@@ -421,6 +397,7 @@ def run_server(config: EngineConfig, args) -> int:
                               max_waiting=args.max_waiting,
                               metrics=os.environ.get(METRICS_ENV, "on").lower() not in ("off", "0", "false"),
                               protect_metrics=os.environ.get(METRICS_AUTH_ENV, "") == "1",
+                              served_model_name=getattr(args, "served_model_name", None),
                               drain_timeout=args.drain_timeout)
     app = create_app(config, settings)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
