@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from exporter.cgroups import pids_in_pod
-from exporter.engines import Engine, Engines, EngineState, VllmEngine, VramledgerEngine
+from exporter.engines import Engine, Engines, EngineState, VllmEngine, VramledgerEngine, read_guarded
 from exporter.engines.vllm import SOURCE as VLLM_SOURCE
 from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
 from exporter.errors import ErrorLog
@@ -83,8 +83,4 @@ class DiscoveredEngines:
         return VramledgerEngine(found.url, self._client, self._errors)
 
     def _read_one(self, engine: Engine) -> EngineState | None:
-        try:
-            return engine.read()
-        except Exception as e:  # noqa: BLE001 - one adapter's bug must not hide the other engines
-            self._errors.record(engine.source, type(e).__name__, f"{engine.url}: {type(e).__name__}: {e}")
-            return None
+        return read_guarded(engine, self._errors)

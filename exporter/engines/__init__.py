@@ -25,6 +25,15 @@ def parse_vllm_arg(text: str) -> tuple[str, int | None]:
     return url.rstrip("/"), int(pid)
 
 
+def read_guarded(engine: Engine, errors: ErrorLog) -> EngineState | None:
+    """engine.read(), with any fault counted under its source rather than raised."""
+    try:
+        return engine.read()
+    except Exception as e:  # noqa: BLE001 - one adapter's bug must not hide the other engines
+        errors.record(engine.source, type(e).__name__, f"{engine.url}: {type(e).__name__}: {e}")
+        return None
+
+
 class Engines:
     """Every watched engine; read() asks them all at once, so one slow server costs one timeout."""
 
@@ -56,11 +65,7 @@ class Engines:
         return dict(zip(self.urls, states))
 
     def _read_one(self, engine: Engine) -> EngineState | None:
-        try:
-            return engine.read()
-        except Exception as e:  # noqa: BLE001 - one adapter's bug must not hide the other engines
-            self._errors.record(engine.source, type(e).__name__, f"{engine.url}: {type(e).__name__}: {e}")
-            return None
+        return read_guarded(engine, self._errors)
 
     def close(self) -> None:
         if self._pool is not None:
