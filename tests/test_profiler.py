@@ -236,3 +236,29 @@ def test_container_id_from_cgroup_and_mountinfo():
     mountinfo = f"500 400 0:1 /var/lib/docker/containers/{cid}/hostname /etc/hostname"
     assert container_id_from("0::/\n", mountinfo) == cid
     assert container_id_from("4:memory:/process_api/50a10d2f3a974f01db5789a168538d10\n") is None
+
+
+def test_cuda_load_leaves_no_temporaries_in_the_allocator_cache(monkeypatch, caplog):
+    # A loader that fuses after loading: originals (2 GiB) + fused copy (2 GiB), originals freed.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cuda = FakeCuda(monkeypatch, props())
+    device = CudaDevice(0, nvml=two_gpus(ours=GiB))
+
+    def load():
+        cuda.allocate(2 * GiB)
+        cuda.allocate(2 * GiB)
+        cuda.release(2 * GiB)
+        return "model"
+
+    assert measure_weights(device, load) == ("model", 2 * GiB)
+    assert cuda.reserved == cuda.allocated == 2 * GiB  # the freed originals left the cache
+    cuda.pinned = 512 * MiB  # a fragmented segment empty_cache cannot return
+
+    def fragmented_load():
+        cuda.allocate(GiB)
+        cuda.reserved += 512 * MiB
+        return "model"
+
+    with caplog.at_level(logging.WARNING):
+        assert measure_weights(device, fragmented_load) == ("model", GiB)
+    assert "left 512.0 MiB reserved beyond" in caplog.text

@@ -67,10 +67,18 @@ def measure_weights(device: Device, load_fn: Callable[[], Any]) -> tuple[Any, in
     """Run load_fn (which returns the model) and return (model, bytes its weights hold)."""
     if device.kind == "cuda":
         device.synchronize()
-        before = device.torch_allocated_bytes()
+        before = MemorySnapshot.take(device)
         model = load_fn()
-        device.synchronize()
-        return model, device.torch_allocated_bytes() - before
+        # A loader's temporaries (unfused copies, casts) must not stay in the allocator's cache.
+        device.empty_cache()
+        after = MemorySnapshot.take(device)
+        weights = after.torch_allocated - before.torch_allocated
+        kept = after.torch_reserved - before.torch_reserved - weights
+        if kept > max(WEIGHTS_RSS_TOLERANCE * weights, 64 << 20):
+            log.warning("weights of %s: the load left %.1f MiB reserved beyond the %.1f MiB its tensors "
+                        "hold (fragmentation); it shows as allocator memory in the ledger",
+                        type(model).__name__, kept / 2**20, weights / 2**20)
+        return model, weights
     device.empty_cache()
     rss_before = device.process_bytes()
     model = load_fn()
