@@ -262,3 +262,33 @@ def test_cuda_load_leaves_no_temporaries_in_the_allocator_cache(monkeypatch, cap
     with caplog.at_level(logging.WARNING):
         assert measure_weights(device, fragmented_load) == ("model", GiB)
     assert "left 512.0 MiB reserved beyond" in caplog.text
+
+
+def test_window_mark_separates_allocator_slack_from_the_activation_peak(cpu):
+    libc = mem_hog._libc()
+    with profile_window(cpu) as result:
+        first = torch.ones(GiB // 16, dtype=torch.float32)  # the worst step: 256 MiB, then gone
+        del first
+        result.mark()
+        stuck = libc.malloc(128 * MiB)  # other shapes: memory the allocator keeps but cannot reuse
+        libc.memset(stuck, 1, 128 * MiB)
+        again = torch.ones(GiB // 16, dtype=torch.float32)  # the worst step again, on top of it
+        del again
+        libc.free(stuck)
+    assert result.activation_peak_bytes == pytest.approx(256 * MiB, rel=0.1)
+    assert result.allocator_bytes == pytest.approx(128 * MiB, rel=0.1)
+    assert result.non_torch_bytes < 32 * MiB
+
+
+def test_cuda_allocator_slack_is_reserved_beyond_the_peak(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cuda = FakeCuda(monkeypatch, props())
+    device = CudaDevice(0, nvml=two_gpus(ours=GiB))
+    cuda.allocate(GiB)  # weights
+    with profile_window(device) as result:
+        cuda.allocate(2 * GiB)
+        cuda.release(2 * GiB)
+        result.mark()
+        cuda.reserved += 300 * MiB  # segments split so that the next shapes needed new ones
+    assert result.activation_peak_bytes == 2 * GiB
+    assert result.allocator_bytes == 300 * MiB

@@ -15,7 +15,8 @@ from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 GiB = 1 << 30
 LEDGER_VERSION = 1
 # Entry order in the document and the table: from the process's start to the KV cache.
-COMPONENTS = ("runtime", "weights", "activation_peak", "non_torch", "cuda_graph", "kv_cache")
+COMPONENTS = ("runtime", "weights", "activation_peak", "non_torch", "allocator", "sequence_state", "cuda_graph",
+              "kv_cache")
 
 
 @dataclass
