@@ -55,8 +55,11 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
         usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
         budget, kv = budget_bytes(device, utilization, c.kv_cache_memory, ledger.non_kv_bytes, usable)
         num_blocks = plan_kv_blocks(kv, per_block, c.block_size, c.max_model_len, k)
-    # Whole blocks: what a budget leaves beyond the last block is not held, so declared == budget.
-    ledger.budget_bytes = budget = min(budget, ledger.non_kv_bytes + num_blocks * per_block)
+    # Whole blocks: less than a block left beyond the last one is not held, so declared == budget.
+    # (A budget the KV cache cannot use, capped by max_num_seqs x max_model_len, stays as asked.)
+    if budget - ledger.non_kv_bytes - num_blocks * per_block < per_block:
+        budget = ledger.non_kv_bytes + num_blocks * per_block
+    ledger.budget_bytes = budget
     check_free_memory(device, budget, utilization, ledger.foreign_at_start_processes,
                       free_bytes=ledger.free_at_start_bytes, own_bytes=ledger.bytes_of("runtime"))
     ledger.set_kv_cache(c.block_size, per_block, num_blocks)
