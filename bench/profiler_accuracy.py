@@ -172,6 +172,10 @@ def print_summary(runs: list[dict], mode: str) -> None:
         print(f"| {name:28} | {min(values):7.3f} | {statistics.median(values):7.3f} | {max(values):7.3f} |")
     median_share = statistics.median(shares)
     print(f"overruns (peak > budget): {overruns} of {len(runs)}: {'PASS' if overruns == 0 else 'FAIL'}")
+    if mode == "HTTP":  # the KV cache is set smaller than the load on purpose: only overruns count
+        if not all(r["preemptions"] for r in runs):
+            print("WARNING: some runs had no preemption: lower --kv-cache-memory or raise --requests")
+        return
     print(f"median KV share {median_share:.3f} (target >= {KV_SHARE_TARGET}): "
           f"{'PASS' if median_share >= KV_SHARE_TARGET else 'FAIL'}")
 
