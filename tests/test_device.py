@@ -235,3 +235,13 @@ def test_host_pid():
     if in_host_pid_namespace():
         assert host_pid() == os.getpid()
     assert host_pid() is None or host_pid() > 0
+
+
+def test_cpu_device_pins_the_mmap_threshold_so_freed_tensors_leave_rss():
+    cpu = CpuDevice()
+    cpu.empty_cache()
+    before = cpu.process_bytes()
+    for n in (32 * MiB, 8 * MiB, 4 * MiB):  # glibc's own threshold would grow past the smaller ones
+        block = torch.ones(n // 4)
+        del block
+    assert cpu.process_bytes() - before < 2 * MiB

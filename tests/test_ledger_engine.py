@@ -71,7 +71,8 @@ def profile(*flags, checkpoints):
 def test_profile_prints_table_json_and_plot(checkpoints, tmp_path):
     table = profile("--plot", str(tmp_path / "ledger.png"), checkpoints=checkpoints)
     assert table.returncode == 0, table.stderr
-    for needle in ("runtime", "weights", "target", "draft", "activation_peak", "non_torch", "kv_cache",
+    for needle in ("runtime", "weights", "target", "draft", "activation_peak", "non_torch", "allocator",
+                   "sequence_state", "kv_cache",
                    "KV capacity", "maximum concurrency"):
         assert needle in table.stdout
     assert (tmp_path / "ledger.png").stat().st_size > 1000

@@ -167,6 +167,8 @@ def _ledger(device) -> Ledger:
     ledger.record("weights", GiB // 2, "draft")
     ledger.record("activation_peak", 100 * MiB)
     ledger.record("non_torch", 10 * MiB)
+    ledger.record("allocator", 12 * MiB)
+    ledger.record("sequence_state", 300 * 1024)
     ledger.record("cuda_graph", 0)
     ledger.set_kv_cache(block_size=16, bytes_per_block=MiB, blocks_total=2000)
     return ledger
@@ -224,9 +226,23 @@ def test_ledger_reports(cpu, tmp_path):
     assert "maximum concurrency at max_model_len 1024: 30.77x" in table  # 2000 blocks / 65 per sequence
     line = summary_line(ledger)
     assert "\n" not in line and "weights[draft] 0.50" in line
+    assert "sequence_state" in table and "0.3 " in table  # the MiB column shows what GiB rounds to 0
     path = tmp_path / "ledger.png"
     plot(ledger, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_plot_zoom_writes_every_entry_with_its_size(cpu, monkeypatch):
+    from matplotlib.figure import Figure
+
+    ledger = _ledger(cpu)
+    texts = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: texts.extend(
+        t.get_text() for ax in fig.axes for t in ax.texts))
+    plot(ledger, "unused.png")
+    for expected in ("300.0 MiB (7.3%)", "1.00 GiB (25.0%)", "12.0 MiB (0.3%)", "0.3 MiB (0.0%)",
+                     "budget 4.00 GiB"):
+        assert expected in texts, (expected, texts)
 
 
 def test_container_id_from_cgroup_and_mountinfo():
