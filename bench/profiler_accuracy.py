@@ -225,7 +225,9 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 
 def with_lengths(argv: list[str], args) -> list[str]:
     """The engine flags for `serve`, with this script's defaults made explicit."""
-    return [*argv, "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
+    given = {a.split("=")[0] for a in argv}
+    return [*argv, *(["--max-model-len", str(args.max_model_len)] if "--max-model-len" not in given else []),
+            *(["--max-num-seqs", str(args.max_num_seqs)] if "--max-num-seqs" not in given else [])]
 
 
 if __name__ == "__main__":
