@@ -54,7 +54,7 @@ def engine_run(args) -> dict:
     engine.generate(prompts, params)
     return dict(seconds=time.perf_counter() - start, peak=device.process_peak_bytes(),
                 budget=ledger.budget_bytes, kv=ledger.bytes_of("kv_cache"), declared=ledger.declared_bytes,
-                entries={(e.component + (f"[{e.model}]" if e.model else "")): e.bytes for e in ledger.entries},
+                entries={e.component + (f"[{e.model}]" if e.model else ""): e.bytes for e in ledger.entries},
                 preemptions=engine.scheduler.num_preemptions, device=str(device))
 
 
@@ -94,7 +94,7 @@ def free_port() -> int:
 
 def metric(text: str, name: str) -> float:
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith((name + " ", name + "{")):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -103,7 +103,8 @@ def http_run(args, engine_flags: list[str]) -> dict:
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "worker", "serve", "--port", str(port), "--log-level", "WARNING", *engine_flags]
+    cmd = [sys.executable, "-m", "worker", "serve", "--port", str(port), "--log-level", "WARNING",
+           *engine_flags]
     worker = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -125,8 +126,8 @@ def http_run(args, engine_flags: list[str]) -> dict:
             max_model_len = args.max_model_len
             prompt_len = max_model_len // 2
             body = lambda i: {"model": model, "prompt": [(7 * i + j) % 255 + 1 for j in range(prompt_len)],
-                              "max_tokens": max_model_len - prompt_len, "temperature": 0.8, "ignore_eos": True,
-                              "seed": i}
+                              "max_tokens": max_model_len - prompt_len, "temperature": 0.8,
+                              "ignore_eos": True, "seed": i}
             start = time.perf_counter()
             with RssSampler(worker.pid) as sampler, ThreadPoolExecutor(args.requests) as pool:
                 results = list(pool.map(lambda i: client.post("/v1/completions", json=body(i)).status_code,
@@ -151,7 +152,8 @@ def http_run(args, engine_flags: list[str]) -> dict:
 
 # --- reports ---
 def print_run(i: int, r: dict) -> None:
-    print(f"run {i}: peak/budget {r['peak'] / r['budget']:.3f}, KV share {kv_share(r['kv'], r['budget'], r['peak']):.3f}, "
+    share = kv_share(r["kv"], r["budget"], r["peak"])
+    print(f"run {i}: peak/budget {r['peak'] / r['budget']:.3f}, KV share {share:.3f}, "
           f"peak {r['peak'] / MiB:.1f} MiB of {r['budget'] / MiB:.1f} MiB, KV {r['kv'] / MiB:.1f} MiB, "
           f"{r['preemptions']} preemptions, {r['seconds']:.0f} s"
           + (f", {r['failed']} failed requests" if r.get("failed") else ""), flush=True)

@@ -15,8 +15,8 @@ from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 MiB, GiB = 1 << 20, 1 << 30
 LEDGER_VERSION = 1
 # Entry order in the document and the table: from the process's start to the KV cache.
-COMPONENTS = ("runtime", "weights", "activation_peak", "non_torch", "allocator", "sequence_state", "cuda_graph",
-              "kv_cache")
+COMPONENTS = ("runtime", "weights", "activation_peak", "non_torch", "allocator", "sequence_state",
+              "cuda_graph", "kv_cache")
 
 
 @dataclass
@@ -285,5 +285,5 @@ def _plot_budget(ledger: Ledger, ax) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, max(budget, ledger.declared_bytes) / scale * 1.3)  # room for the text of the last rows
     ax.set_xlabel(unit)
-    ax.set_title(f"zoom on the budget ({_size(budget)}, {100 * budget / ledger.total_bytes:.1f}% of the device)"
-                 if ledger.total_bytes else "zoom on the budget")
+    share = f", {100 * budget / ledger.total_bytes:.1f}% of the device" if ledger.total_bytes else ""
+    ax.set_title(f"zoom on the budget ({_size(budget)}{share})")

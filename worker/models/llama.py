@@ -170,7 +170,8 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             for prefix, module in ((f"model.layers.{i}.self_attn.", layer.self_attn),
                                    (f"model.layers.{i}.mlp.", layer.mlp)):
-                layout.update({prefix + src: (prefix + dst, a, b) for src, (dst, a, b) in module.fuse().items()})
+                fused = module.fuse().items()
+                layout.update({prefix + src: (prefix + dst, a, b) for src, (dst, a, b) in fused})
         return layout
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
