@@ -1,30 +1,49 @@
 """How close the profile's prediction is to the real peak under the heaviest load.
 
-After start-up, every one of max_num_seqs requests runs to max_model_len with speculative
-decoding on; the process's peak memory (VmHWM on CPU, NVML/torch on CUDA) is compared with
-the ledger. Targets: measured peak <= budget; KV cache >= 90% of (budget - measured non-KV peak).
-  python bench/profiler_accuracy.py [--max-model-len 512] [--max-num-seqs 8] [engine flags]
+Engine mode (default): after start-up, every one of max_num_seqs requests runs to max_model_len
+with speculative sampling; the process's peak memory (VmHWM on CPU, NVML/torch on CUDA) is
+compared with the ledger. HTTP mode (--http): the worker runs under `python -m worker serve`
+and is loaded through its API with more requests than the KV cache holds, until requests are
+preempted; the worker's RSS is sampled from outside (psutil, every 2 ms) against its budget.
+Each run is a fresh process; --runs N prints min / median / max.
+Targets: measured peak <= budget in every run; median KV cache share of
+(budget - measured non-KV peak) >= 0.95.
+  python bench/profiler_accuracy.py [--runs 20] [--max-model-len 512] [--max-num-seqs 8] [engine flags]
+  python bench/profiler_accuracy.py --http [--runs 5] [--requests 32] [--kv-cache-memory 16MiB] [engine flags]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from worker.cli import add_engine_flags, engine_config
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
 
 MiB = 1 << 20
+KV_SHARE_TARGET = 0.95
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_flags(ap)
-    ap.set_defaults(max_model_len=512, max_num_seqs=8)
-    args = ap.parse_args()
+def kv_share(kv: int, budget: int, peak: int) -> float:
+    """KV cache / (budget - measured non-KV peak): 1.0 when the prediction is exact."""
+    non_kv_peak = peak - kv
+    return kv / (budget - non_kv_peak) if budget > non_kv_peak else float("nan")
+
+
+# --- one engine run, in this process ---
+def engine_run(args) -> dict:
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.sampling_params import SamplingParams
+
     engine = LLMEngine(engine_config(args))
     ledger, device, c = engine.ledger, engine.device, engine.config
-
     # Prompts of half the context; outputs fill the rest, so every sequence reaches max_model_len.
     prompt_len = c.max_model_len // 2
     vocab = engine.tokenizer.vocab_size
@@ -33,26 +52,184 @@ def main() -> None:
     device.reset_peak()
     start = time.perf_counter()
     engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    peak = device.process_peak_bytes()
+    return dict(seconds=time.perf_counter() - start, peak=device.process_peak_bytes(),
+                budget=ledger.budget_bytes, kv=ledger.bytes_of("kv_cache"), declared=ledger.declared_bytes,
+                entries={e.component + (f"[{e.model}]" if e.model else ""): e.bytes for e in ledger.entries},
+                preemptions=engine.scheduler.num_preemptions, device=str(device))
 
-    kv = ledger.bytes_of("kv_cache")
-    budget = ledger.budget_bytes
-    non_kv_peak = peak - kv
-    kv_share = kv / (budget - non_kv_peak) if budget > non_kv_peak else float("nan")
-    print(f"device {device}; {c.max_num_seqs} sequences x {c.max_model_len} tokens, k={engine.k}, "
-          f"{seconds:.1f} s, {engine.scheduler.num_preemptions} preemptions")
-    print(f"| {'figure':38} | {'MiB':>10} |")
-    print(f"|{'-' * 40}|{'-' * 12}|")
-    for name, value in [("budget", budget), ("predicted peak (declared ledger)", ledger.declared_bytes),
-                        ("measured peak process memory", peak), ("  of which KV cache", kv),
-                        ("predicted non-KV", ledger.non_kv_bytes), ("measured non-KV peak", non_kv_peak),
-                        ("KV waste: budget - measured peak", budget - peak)]:
-        print(f"| {name:38} | {value / MiB:10.1f} |")
-    print(f"measured peak / budget = {peak / budget:.3f} (target <= 1.000): "
-          f"{'PASS' if peak <= budget else 'FAIL'}")
-    print(f"KV / (budget - measured non-KV peak) = {kv_share:.3f} (target >= 0.900): "
-          f"{'PASS' if kv_share >= 0.9 else 'FAIL'}")
+
+# --- one HTTP run: a worker process, loaded from here ---
+class RssSampler:
+    """Peak RSS of another process, polled in a thread."""
+
+    def __init__(self, pid: int, interval_s: float = 0.002):
+        import psutil
+
+        self.process, self.interval_s, self.peak = psutil.Process(pid), interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except Exception:
+                return
+            time.sleep(self.interval_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def http_run(args, engine_flags: list[str]) -> dict:
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "worker", "serve", "--port", str(port), "--log-level", "WARNING",
+           *engine_flags]
+    worker = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=600) as client:
+            deadline = time.monotonic() + 600
+            while True:
+                if worker.poll() is not None:
+                    raise RuntimeError(f"the worker exited: {worker.stderr.read().decode()[-2000:]}")
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the worker did not start in 600 s")
+                time.sleep(0.5)
+            memory = client.get("/v1/memory").json()
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            max_model_len = args.max_model_len
+            prompt_len = max_model_len // 2
+            body = lambda i: {"model": model, "prompt": [(7 * i + j) % 255 + 1 for j in range(prompt_len)],
+                              "max_tokens": max_model_len - prompt_len, "temperature": 0.8,
+                              "ignore_eos": True, "seed": i}
+            start = time.perf_counter()
+            with RssSampler(worker.pid) as sampler, ThreadPoolExecutor(args.requests) as pool:
+                results = list(pool.map(lambda i: client.post("/v1/completions", json=body(i)).status_code,
+                                        range(args.requests)))
+                final = client.get("/v1/memory").json()
+            metrics = client.get("/metrics").text
+        return dict(seconds=time.perf_counter() - start, peak=sampler.peak, budget=memory["budget"]["bytes"],
+                    kv=next(e["bytes"] for e in memory["entries"] if e["component"] == "kv_cache"),
+                    declared=memory["declared_bytes"],
+                    entries={e["component"] + (f"[{e['model']}]" if e["model"] else ""): e["bytes"]
+                             for e in memory["entries"]},
+                    preemptions=int(metric(metrics, "vramledger_preemptions_total")),
+                    failed=sum(r != 200 for r in results), live=final["live"]["process_bytes"],
+                    device=memory["device"]["kind"])
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+
+
+# --- reports ---
+def print_run(i: int, r: dict) -> None:
+    share = kv_share(r["kv"], r["budget"], r["peak"])
+    print(f"run {i}: peak/budget {r['peak'] / r['budget']:.3f}, KV share {share:.3f}, "
+          f"peak {r['peak'] / MiB:.1f} MiB of {r['budget'] / MiB:.1f} MiB, KV {r['kv'] / MiB:.1f} MiB, "
+          f"{r['preemptions']} preemptions, {r['seconds']:.0f} s"
+          + (f", {r['failed']} failed requests" if r.get("failed") else ""), flush=True)
+
+
+def print_summary(runs: list[dict], mode: str) -> None:
+    ratios = [r["peak"] / r["budget"] for r in runs]
+    shares = [kv_share(r["kv"], r["budget"], r["peak"]) for r in runs]
+    overruns = sum(r["peak"] > r["budget"] for r in runs)
+    first = runs[0]
+    print(f"\n{mode} mode, {len(runs)} runs on {first['device']}; ledger of run 1 (MiB): "
+          + ", ".join(f"{k} {v / MiB:.1f}" for k, v in first["entries"].items()))
+    print(f"| {'figure':28} | {'min':>7} | {'median':>7} | {'max':>7} |")
+    print(f"|{'-' * 30}|{'-' * 9}|{'-' * 9}|{'-' * 9}|")
+    for name, values in (("measured peak / budget", ratios), ("KV share", shares),
+                         ("budget - peak (MiB)", [(r["budget"] - r["peak"]) / MiB for r in runs]),
+                         ("preemptions", [r["preemptions"] for r in runs])):
+        print(f"| {name:28} | {min(values):7.3f} | {statistics.median(values):7.3f} | {max(values):7.3f} |")
+    median_share = statistics.median(shares)
+    print(f"overruns (peak > budget): {overruns} of {len(runs)}: {'PASS' if overruns == 0 else 'FAIL'}")
+    if mode == "HTTP":  # the KV cache is set smaller than the load on purpose: only overruns count
+        if not all(r["preemptions"] for r in runs):
+            print("WARNING: some runs had no preemption: lower --kv-cache-memory or raise --requests")
+        return
+    print(f"median KV share {median_share:.3f} (target >= {KV_SHARE_TARGET}): "
+          f"{'PASS' if median_share >= KV_SHARE_TARGET else 'FAIL'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(ap)
+    ap.set_defaults(max_model_len=512, max_num_seqs=8)
+    ap.add_argument("--runs", type=int, default=1, help="fresh processes, one run each")
+    ap.add_argument("--http", action="store_true", help="load a `serve` worker through its API")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="HTTP mode: concurrent requests (default 3 x max_num_seqs)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one run, JSON out
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(engine_run(args)), flush=True)
+        return
+    argv = [a for a in sys.argv[1:] if a not in ("--http",)]
+    argv = strip_option(strip_option(argv, "--runs"), "--requests")
+    args.requests = args.requests or 3 * args.max_num_seqs
+    runs = []
+    for i in range(1, args.runs + 1):
+        if args.http:
+            result = http_run(args, with_lengths(argv, args))
+        else:
+            child = subprocess.run([sys.executable, __file__, "--one", *argv], capture_output=True, text=True)
+            lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+            if child.returncode != 0 or not lines:
+                sys.exit(f"run {i} failed:\n{child.stderr[-3000:]}")
+            result = json.loads(lines[-1][len("RESULT "):])
+        runs.append(result)
+        print_run(i, result)
+    print_summary(runs, "HTTP" if args.http else "engine")
+
+
+def strip_option(argv: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def with_lengths(argv: list[str], args) -> list[str]:
+    """The engine flags for `serve`, with this script's defaults made explicit."""
+    given = {a.split("=")[0] for a in argv}
+    return [*argv, *(["--max-model-len", str(args.max_model_len)] if "--max-model-len" not in given else []),
+            *(["--max-num-seqs", str(args.max_num_seqs)] if "--max-num-seqs" not in given else [])]
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def make_tokenizer(directory: Path):
 
 
 def make_checkpoint(directory: Path, family: str = "llama", *, layers: int = 2, hidden: int = 64,
-                    heads: int = 4, kv_heads: int = 2, seed: int = 0, std: float = 0.3) -> Path:
+                    heads: int = 4, kv_heads: int = 2, seed: int = 0, std: float = 0.3,
+                    intermediate: int | None = None) -> Path:
     """Save a random model of `family` with the test tokenizer to `directory`."""
     import transformers
 
@@ -43,7 +44,7 @@ def make_checkpoint(directory: Path, family: str = "llama", *, layers: int = 2, 
     tokenizer = make_tokenizer(directory)
     spec = CONFIGS[family]
     config = getattr(transformers, spec["cls"])(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate or hidden * 2, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, **spec["extra"])
     torch.manual_seed(seed)

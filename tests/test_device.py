@@ -71,15 +71,19 @@ class FakeCuda:
 
     def __init__(self, monkeypatch, props, count=2, total=80 * GiB):
         self.props, self.total, self.free = props, total, total
-        self.allocated = self.reserved = self.peak = 0
+        self.allocated = self.reserved = self.peak = self.pinned = 0
         for name, fn in dict(
                 is_available=lambda: True, device_count=lambda: count,
                 get_device_properties=lambda i: self.props,
                 mem_get_info=lambda i=None: (self.free, self.total),
                 memory_allocated=lambda i=None: self.allocated, memory_reserved=lambda i=None: self.reserved,
                 max_memory_allocated=lambda i=None: self.peak, reset_peak_memory_stats=self._reset_peak,
-                synchronize=lambda i=None: None, empty_cache=lambda: None).items():
+                synchronize=lambda i=None: None, empty_cache=self.empty_cache).items():
             monkeypatch.setattr(torch.cuda, name, fn)
+
+    def empty_cache(self):
+        # The caching allocator returns its unused segments; fragmented ones (`pinned`) stay.
+        self.reserved = self.allocated + self.pinned
 
     def _reset_peak(self, i=None):
         self.peak = self.allocated
@@ -88,6 +92,9 @@ class FakeCuda:
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
         self.reserved = max(self.reserved, self.allocated)
+
+    def release(self, nbytes):
+        self.allocated -= nbytes  # the segment stays reserved (cached) until empty_cache
 
 
 def gpu(uuid, bus_id, procs=()):
@@ -228,3 +235,13 @@ def test_host_pid():
     if in_host_pid_namespace():
         assert host_pid() == os.getpid()
     assert host_pid() is None or host_pid() > 0
+
+
+def test_cpu_device_pins_the_mmap_threshold_so_freed_tensors_leave_rss():
+    cpu = CpuDevice()
+    cpu.empty_cache()
+    before = cpu.process_bytes()
+    for n in (32 * MiB, 8 * MiB, 4 * MiB):  # glibc's own threshold would grow past the smaller ones
+        block = torch.ones(n // 4)
+        del block
+    assert cpu.process_bytes() - before < 2 * MiB

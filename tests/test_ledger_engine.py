@@ -71,7 +71,8 @@ def profile(*flags, checkpoints):
 def test_profile_prints_table_json_and_plot(checkpoints, tmp_path):
     table = profile("--plot", str(tmp_path / "ledger.png"), checkpoints=checkpoints)
     assert table.returncode == 0, table.stderr
-    for needle in ("runtime", "weights", "target", "draft", "activation_peak", "non_torch", "kv_cache",
+    for needle in ("runtime", "weights", "target", "draft", "activation_peak", "non_torch", "allocator",
+                   "sequence_state", "kv_cache",
                    "KV capacity", "maximum concurrency"):
         assert needle in table.stdout
     assert (tmp_path / "ledger.png").stat().st_size > 1000
@@ -89,3 +90,42 @@ def test_impossible_settings_exit_with_the_setting_to_change(checkpoints, flags,
     result = profile(*flags, checkpoints=checkpoints)
     assert result.returncode != 0
     assert re.search(message, result.stderr, re.DOTALL), result.stderr
+
+
+def test_new_entries_are_measured_and_everything_sums_to_the_budget(checkpoints):
+    engine = LLMEngine(EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"],
+                                    max_model_len=256, max_num_seqs=256))
+    ledger = engine.ledger
+    components = [e.component for e in ledger.entries]
+    assert {"allocator", "sequence_state"} <= set(components)
+    # Host state of 256 requests of 256 tokens (ids, text, block table, generator) is real memory on the CPU.
+    assert ledger.bytes_of("sequence_state") > 256 * 1024
+    assert ledger.bytes_of("allocator") >= 0
+    assert ledger.declared_bytes == ledger.budget_bytes  # whole blocks: nothing left over
+    doc = engine.memory_report()
+    assert sum(e["bytes"] for e in doc["entries"]) == doc["budget"]["bytes"]
+
+
+def test_budget_that_only_the_new_entries_push_over_fails_naming_the_setting(checkpoints):
+    from dataclasses import replace
+
+    from worker.engine.memory_setup import plan_memory
+    from worker.memory.plan import MemoryPlanError
+
+    config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"],
+                          max_model_len=256, max_num_seqs=2048, kv_cache_memory=8 << 20)
+    engine = LLMEngine(config)
+    ledger = engine.ledger
+    new = ledger.bytes_of("sequence_state") + ledger.bytes_of("allocator")
+    assert new > 4 << 20
+    old = ledger.non_kv_bytes - new
+    engine.runner.kv.clear()  # the same process plans again: its KV cache is not part of the rest
+    budget = old + new // 2
+    utilization = budget / engine.device.total_bytes()
+    with pytest.raises(MemoryPlanError, match=r"below the .* before any KV cache .*allocator slack, "
+                                              r"per-sequence state.*Raise --memory-utilization"):
+        plan_memory(engine.runner, replace(config, kv_cache_memory=None, memory_utilization=utilization),
+                    engine.device, ledger, engine.tokenizer)
+    # Re-measured, the entries before the new ones still fit: the new ones alone pushed it over.
+    remeasured_new = ledger.bytes_of("sequence_state") + ledger.bytes_of("allocator")
+    assert ledger.non_kv_bytes - remeasured_new <= budget < ledger.non_kv_bytes

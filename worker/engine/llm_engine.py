@@ -53,7 +53,7 @@ class LLMEngine:
             config.resolve_lengths(target.config.max_position_embeddings)
             self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
             bar.set_postfix_str("profiling")
-            self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger)
+            self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer)
             bar.update()
             bar.set_postfix_str("allocating the KV cache")
             self.runner.allocate_kv_cache(self.num_blocks)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
-from worker.engine.profile_run import profile_blocks, run_worst_case
+from worker.engine.profile_run import profile_blocks, request_states, run_varied, run_worst_case
 from worker.memory.device import Device
 from worker.memory.ledger import Ledger
 from worker.memory.plan import (
@@ -13,10 +13,11 @@ from worker.memory.plan import (
     max_usable_kv_bytes,
     plan_kv_blocks,
 )
-from worker.memory.profiler import MemorySnapshot, profile_window
+from worker.memory.profiler import MemorySnapshot, measure_held, profile_window
 
 
-def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledger: Ledger) -> int:
+def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledger: Ledger,
+                tokenizer=None) -> int:
     """Measure the worst step, size the KV cache from the budget, and return its block count."""
     c, k = config, config.num_speculative_tokens
     utilization = c.memory_utilization
@@ -29,6 +30,8 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     runner.allocate_kv_cache(profile_blocks(c))
     with profile_window(device) as window:
         run_worst_case(runner, c)
+        window.mark()
+        run_varied(runner, c)  # untrimmed, as serving runs: what the allocator cannot reuse
     runner.kv.clear()
     device.empty_cache()
     ledger.record("activation_peak", window.activation_peak_bytes)
@@ -38,6 +41,10 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     explained = max(now.torch_reserved, ledger.bytes_of("weights"))
     since_start = now.process - ledger.bytes_of("runtime") - explained
     ledger.record("non_torch", max(window.non_torch_bytes, since_start))
+    ledger.record("allocator", window.allocator_bytes)
+    # Host state the engine keeps per request, for max_num_seqs requests at their longest.
+    states = measure_held(device, lambda: request_states(c, tokenizer, device.torch_device))
+    ledger.record("sequence_state", states)
     ledger.record("cuda_graph", 0)  # graphs are not captured (yet): eager execution
 
     per_block = runner.bytes_per_block()
@@ -48,6 +55,10 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
         usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
         budget, kv = budget_bytes(device, utilization, c.kv_cache_memory, ledger.non_kv_bytes, usable)
         num_blocks = plan_kv_blocks(kv, per_block, c.block_size, c.max_model_len, k)
+    # Whole blocks: less than a block left beyond the last one is not held, so declared == budget.
+    # (A budget the KV cache cannot use, capped by max_num_seqs x max_model_len, stays as asked.)
+    if budget - ledger.non_kv_bytes - num_blocks * per_block < per_block:
+        budget = ledger.non_kv_bytes + num_blocks * per_block
     ledger.budget_bytes = budget
     check_free_memory(device, budget, utilization, ledger.foreign_at_start_processes,
                       free_bytes=ledger.free_at_start_bytes, own_bytes=ledger.bytes_of("runtime"))

@@ -1,12 +1,14 @@
-"""The heaviest step the engine will ever run, for measuring the activation peak."""
+"""The heaviest step the engine will ever run, and the state it keeps per request, for measuring."""
 from __future__ import annotations
 
 import torch
 
 from worker.config import EngineConfig
+from worker.engine.detokenizer import IncrementalText
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import RowParams, probabilities, sample
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify
 
 # Sampling with top-k and top-p takes the most memory (a sort of the vocabulary).
@@ -19,15 +21,17 @@ def profile_blocks(config: EngineConfig) -> int:
 
 
 @torch.inference_mode()
-def run_worst_case(runner: ModelRunner, config: EngineConfig) -> None:
+def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | None = None,
+                   batch: int | None = None) -> None:
     """A full prefill batch, then a full speculative decode step at the longest context.
 
     Rows share one block table: keys and values land on the same scratch slots, which
-    costs nothing in activations and keeps the scratch cache small.
+    costs nothing in activations and keeps the scratch cache small. `longest` and `batch`
+    shrink the step (for run_varied).
     """
     device, k = runner.device, config.num_speculative_tokens
     table = list(range(profile_blocks(config)))
-    longest = config.max_model_len
+    longest = longest or config.max_model_len
 
     # Prefill: rows of max_model_len up to the batched-token limit (padded rows cost the same).
     rows = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // longest))
@@ -36,7 +40,7 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig) -> None:
         runner.forward(name, prompt, [0] * rows, [table] * rows, 1 if name == "target" else 0)
 
     # Decode: every sequence at the longest context, k draft steps then k+1 verified positions.
-    B = config.max_num_seqs
+    B = batch or config.max_num_seqs
     rp = RowParams([WORST_PARAMS] * B, [None] * B, device)
     start = longest - 1
     if k == 0:
@@ -53,3 +57,32 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig) -> None:
     logits = runner.forward("target", [[1] * (k + 1)] * B, [start] * B, [table] * B, k + 1)
     p = probabilities(logits.flatten(0, 1), rp.expand(k + 1)).view(B, k + 1, -1)
     verify(torch.stack(drafts, 1), torch.stack(draft_probs, 1), p, rp)
+
+
+def run_varied(runner: ModelRunner, config: EngineConfig) -> None:
+    """Steps of other shapes, as a real run mixes them (half the batch at half the context), then
+    the worst step again: freed blocks of the first shapes that cannot serve the next raise the peak."""
+    run_worst_case(runner, config, longest=max(2, config.max_model_len // 2),
+                   batch=max(1, config.max_num_seqs // 2))
+    run_worst_case(runner, config)
+
+
+def request_states(config: EngineConfig, tokenizer, device: torch.device) -> list[tuple]:
+    """What the engine keeps per request, for max_num_seqs requests at max_model_len.
+
+    Token ids are fresh Python ints, as the tokenizer and the sampler hand them out; each
+    request also holds its decoded text, its block table and its own generator.
+    """
+    vocab = max(2, getattr(tokenizer, "vocab_size", 0) or 2)
+    half = config.max_model_len // 2
+    states = []
+    for i in range(config.max_num_seqs):
+        ids = torch.randint(1, vocab, (config.max_model_len,), generator=torch.Generator().manual_seed(i))
+        seq = Sequence(f"profile-{i}", ids[:half].tolist(), WORST_PARAMS)
+        seq.output_token_ids = ids[half:].tolist()
+        seq.block_table = list(range(config.max_blocks_per_seq))
+        text = IncrementalText(tokenizer, []) if tokenizer is not None else None
+        if text is not None:
+            text.update(seq.output_token_ids)
+        states.append((seq, text, torch.Generator(device).manual_seed(i)))
+    return states

@@ -17,6 +17,12 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 # On the CPU every process holds some memory; only the ones big enough to matter are listed.
 CPU_PROCESS_MIN_BYTES = 64 * MiB
+# glibc serves allocations from this size on with their own mapping, returned to the kernel when
+# freed. Its default threshold moves up (to 32 MiB) as large blocks are freed, after which freed
+# tensors stay in the heap or not depending on history: a fixed one keeps RSS = live tensors,
+# so a profiled step costs the same memory in every later run.
+CPU_MMAP_THRESHOLD = 256 << 10
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class CpuDevice(Device):
         self.dtype = torch.float32
         self._process = psutil.Process()
         self._warned_no_reset = False
+        fix_mmap_threshold()
 
     def total_bytes(self) -> int:
         return psutil.virtual_memory().total
@@ -194,6 +201,13 @@ def _load_libc():
 
 
 _libc = _load_libc()
+
+
+def fix_mmap_threshold(nbytes: int = CPU_MMAP_THRESHOLD) -> bool:
+    """Pin glibc's mmap threshold (no dynamic growth); False where there is no glibc."""
+    if _libc is None or not hasattr(_libc, "mallopt"):
+        return False
+    return bool(_libc.mallopt(M_MMAP_THRESHOLD, nbytes))
 
 
 class CudaDevice(Device):

@@ -12,10 +12,11 @@ from worker.memory.device import Device, ProcessMemory, host_pid
 from worker.memory.plan import blocks_per_sequence
 from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 
-GiB = 1 << 30
+MiB, GiB = 1 << 20, 1 << 30
 LEDGER_VERSION = 1
 # Entry order in the document and the table: from the process's start to the KV cache.
-COMPONENTS = ("runtime", "weights", "activation_peak", "non_torch", "cuda_graph", "kv_cache")
+COMPONENTS = ("runtime", "weights", "activation_peak", "non_torch", "allocator", "sequence_state",
+              "cuda_graph", "kv_cache")
 
 
 @dataclass
@@ -182,16 +183,16 @@ def format_table(ledger: Ledger) -> str:
 
     def row(component: str, model: str, nbytes: int) -> str:
         share = f"{100 * nbytes / budget:6.1f}%" if budget else "      -"
-        return f"{component:<16} {model:<8} {_gib(nbytes):>9} {share:>8}"
+        return f"{component:<16} {model:<8} {_gib(nbytes):>9} {nbytes / MiB:>10.1f} {share:>8}"
 
     d = ledger.device
     lines = [f"device {d.kind}:{d.index} ({d.name}): {_gib(ledger.total_bytes)} GiB total, "
              f"{_gib(ledger.free_at_start_bytes)} GiB free at start, "
              f"{_gib(ledger.foreign_at_start_bytes)} GiB foreign at start",
-             f"{'component':<16} {'model':<8} {'GiB':>9} {'budget':>8}",
-             "-" * 44]
+             f"{'component':<16} {'model':<8} {'GiB':>9} {'MiB':>10} {'budget':>8}",
+             "-" * 55]
     lines += [row(e.component, e.model, e.bytes) for e in ledger.entries]
-    lines += ["-" * 44, row("declared", "", ledger.declared_bytes), row("budget", "", budget)]
+    lines += ["-" * 55, row("declared", "", ledger.declared_bytes), row("budget", "", budget)]
     lines.append(f"KV capacity: {ledger.capacity_tokens} tokens "
                  f"({ledger.blocks_total} blocks x {ledger.block_size} tokens)")
     concurrency = ledger.max_concurrency()
@@ -210,15 +211,28 @@ def summary_line(ledger: Ledger) -> str:
             f"KV {ledger.blocks_total} blocks = {ledger.capacity_tokens} tokens")
 
 
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
 def plot(ledger: Ledger, path: str) -> None:
-    """Draw the ledger as one stacked bar beside the budget and the device total (PNG at path)."""
+    """Draw the ledger beside the budget and the device total, and a zoom on the budget (PNG at path)."""
     # Figure + the Agg canvas directly: no pyplot, no global backend switch, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 6))
+    fig = Figure(figsize=(14, 6.5))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    device_ax, zoom_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.6]})
+    _plot_device(ledger, device_ax)
+    _plot_budget(ledger, zoom_ax)
+    fig.suptitle(f"memory ledger: {ledger.device.kind}:{ledger.device.index} ({ledger.device.name})")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+
+
+def _plot_device(ledger: Ledger, ax) -> None:
+    """The device view: the ledger stacked beside the budget and the device total."""
     bottom = 0.0
     top = max(ledger.total_bytes, ledger.budget_bytes, ledger.declared_bytes) / GiB
     for i, entry in enumerate(ledger.entries):
@@ -237,7 +251,39 @@ def plot(ledger: Ledger, path: str) -> None:
         ax.text(x, value, f"{value:.2f} GiB", ha="center", va="bottom", fontsize=9)
     ax.set_xticks([0, 1, 2], ["declared (ledger)", "budget", f"{ledger.device.kind} total"])
     ax.set_ylabel("GiB")
-    ax.set_title(f"memory ledger: {ledger.device.name}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    ax.set_title("the device")
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _plot_budget(ledger: Ledger, ax) -> None:
+    """The zoom: one row per entry on the budget's scale, each starting where the one before ended
+    (so the rows add up to the budget), its size written beside it however thin it is."""
+    budget = ledger.budget_bytes or ledger.declared_bytes or 1
+    scale, unit = (GiB, "GiB") if budget >= 4 * GiB else (MiB, "MiB")
+    rows = [(_entry_label(e), e.bytes) for e in ledger.entries]
+    start = 0
+    labels = []
+    for i, (label, nbytes) in enumerate(rows):
+        ax.barh(i, nbytes / scale, left=start / scale, color=f"C{i % 10}", edgecolor="none", height=0.7)
+        share = f" ({100 * nbytes / budget:.1f}%)" if ledger.budget_bytes else ""
+        end = (start + nbytes) / scale
+        inside = nbytes > 0.35 * budget  # long bars carry their text; short ones have it beside them
+        ax.text(end - 0.01 * budget / scale if inside else end + 0.01 * budget / scale, i,
+                _size(nbytes) + share, va="center", ha="right" if inside else "left", fontsize=9,
+                color="white" if inside else "black")
+        labels.append(label)
+        start += nbytes
+    n = len(rows)
+    ax.barh(n, budget / scale, color="0.6", height=0.7)
+    ax.text(budget / scale * 0.99, n, f"budget {_size(ledger.budget_bytes)}", va="center", ha="right",
+            fontsize=9, color="white")
+    ax.barh(n + 1, ledger.declared_bytes / scale, color="0.35", height=0.7)
+    ax.text(ledger.declared_bytes / scale * 0.99, n + 1, f"declared {_size(ledger.declared_bytes)}",
+            va="center", ha="right", fontsize=9, color="white")
+    ax.axvline(budget / scale, color="0.4", linestyle="--", linewidth=0.8)
+    ax.set_yticks(range(n + 2), labels + ["budget", "declared"])
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(budget, ledger.declared_bytes) / scale * 1.3)  # room for the text of the last rows
+    ax.set_xlabel(unit)
+    share = f", {100 * budget / ledger.total_bytes:.1f}% of the device" if ledger.total_bytes else ""
+    ax.set_title(f"zoom on the budget ({_size(budget)}{share})")

@@ -67,10 +67,18 @@ def measure_weights(device: Device, load_fn: Callable[[], Any]) -> tuple[Any, in
     """Run load_fn (which returns the model) and return (model, bytes its weights hold)."""
     if device.kind == "cuda":
         device.synchronize()
-        before = device.torch_allocated_bytes()
+        before = MemorySnapshot.take(device)
         model = load_fn()
-        device.synchronize()
-        return model, device.torch_allocated_bytes() - before
+        # A loader's temporaries (unfused copies, casts) must not stay in the allocator's cache.
+        device.empty_cache()
+        after = MemorySnapshot.take(device)
+        weights = after.torch_allocated - before.torch_allocated
+        kept = after.torch_reserved - before.torch_reserved - weights
+        if kept > max(WEIGHTS_RSS_TOLERANCE * weights, 64 << 20):
+            log.warning("weights of %s: the load left %.1f MiB reserved beyond the %.1f MiB its tensors "
+                        "hold (fragmentation); it shows as allocator memory in the ledger",
+                        type(model).__name__, kept / 2**20, weights / 2**20)
+        return model, weights
     device.empty_cache()
     rss_before = device.process_bytes()
     model = load_fn()
@@ -93,22 +101,37 @@ class WindowResult:
 
     activation_peak_bytes: int = 0
     non_torch_bytes: int = 0
+    allocator_bytes: int = 0
     start: MemorySnapshot | None = None
     end: MemorySnapshot | None = None
+    _peak: Callable[[], int] | None = None
+    _marked_peak: int | None = None
+
+    def mark(self) -> None:
+        """The first pass ends here: what runs after it, untrimmed, measures allocator slack."""
+        self._marked_peak = self._peak() if self._peak else None
 
 
 @contextlib.contextmanager
 def profile_window(device: Device) -> Iterator[WindowResult]:
-    """Measure the transient peak (activations) and the lasting non-torch growth of the block."""
+    """Measure the transient peak (activations), the lasting non-torch growth of the block and,
+    after `mark()`, what the allocator keeps beyond that peak when other steps follow untrimmed."""
     result = WindowResult()
     device.empty_cache()
     peak_was_reset = device.reset_peak()
     sampler = None if peak_was_reset else PeakSampler(device).start()
+    if device.kind == "cuda":
+        result._peak = device.torch_peak_allocated_bytes
+    else:
+        result._peak = (lambda: sampler.peak) if sampler else device.process_peak_bytes
     result.start = MemorySnapshot.take(device)
     try:
         yield result
     finally:
+        peak = sampler.stop() if sampler else None
+        first = result._marked_peak
         if device.kind == "cpu":
+            peak = peak if peak is not None else device.process_peak_bytes()
             device.empty_cache()  # freed tensors still in malloc's arenas did not "stay"
         result.end = end = MemorySnapshot.take(device)
         start = result.start
@@ -116,10 +139,25 @@ def profile_window(device: Device) -> Iterator[WindowResult]:
             result.activation_peak_bytes = max(0, end.torch_peak - start.torch_allocated)
             torch_growth = end.torch_reserved - start.torch_reserved
             result.non_torch_bytes = max(0, end.process - start.process - torch_growth)
+            # Cached segments beyond the most ever allocated at once: fragmentation.
+            result.allocator_bytes = max(0, end.torch_reserved - max(end.torch_peak, start.torch_reserved))
         else:
-            peak = sampler.stop() if sampler else end.process_peak
+            first = peak if first is None else first
             result.non_torch_bytes = max(0, end.process - start.process)  # what stays
-            result.activation_peak_bytes = max(0, peak - start.process - result.non_torch_bytes)
+            result.activation_peak_bytes = max(0, first - start.process - result.non_torch_bytes)
+            # The steps after the mark reuse freed memory; what they could not reuse raised the peak.
+            result.allocator_bytes = max(0, peak - first)
+
+
+def measure_held(device: Device, build: Callable[[], Any]) -> int:
+    """Bytes the process grows by while it holds what build() returns (dropped afterwards)."""
+    device.empty_cache()
+    before = device.process_bytes()
+    held = build()
+    grown = device.process_bytes() - before
+    del held
+    device.empty_cache()
+    return max(0, grown)
 
 
 def measure_graph_pool(device: Device, capture_fn: Callable[[], Any]) -> tuple[Any, int]:

@@ -27,6 +27,38 @@ class Arch:
             self.windows = [window if name == "MistralForCausalLM" else None] * config.num_hidden_layers
 
 
+def fuse_linears(module: nn.Module, name: str, parts: tuple[str, ...]) -> dict[str, tuple[str, int, int]]:
+    """Replace the Linear layers `parts` by `{name}_weight` (and `{name}_bias`), their rows stacked.
+
+    Returns where each checkpoint tensor lands: {"q_proj.weight": ("qkv_weight", first row, end row)}.
+    On the meta device (the loader's way) this only lays out shapes, and the checkpoint is read
+    straight into the fused rows; on a real device the originals are freed one by one as their
+    rows are copied, so they and the fused copy never all exist at once.
+    """
+    linears = [getattr(module, p) for p in parts]
+    layout: dict[str, tuple[str, int, int]] = {}
+    for kind in ("weight", "bias"):
+        tensors = [getattr(lin, kind) for lin in linears]
+        if tensors[0] is None:
+            setattr(module, f"{name}_{kind}", None)
+            continue
+        rows = sum(t.shape[0] for t in tensors)
+        first = tensors[0]
+        fused = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
+        start = 0
+        for part, lin, t in zip(parts, linears, tensors):
+            end = start + t.shape[0]
+            if not fused.is_meta:
+                fused[start:end].copy_(t.detach())
+                setattr(lin, kind, None)  # drop the original now: its rows live in `fused`
+            layout[f"{part}.{kind}"] = (f"{name}_{kind}", start, end)
+            start = end
+        setattr(module, f"{name}_{kind}", nn.Parameter(fused, requires_grad=False))
+    for p in parts:
+        delattr(module, p)
+    return layout
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -52,13 +84,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=arch.o_bias)
 
-    def fuse(self) -> None:
+    def fuse(self) -> dict[str, tuple[str, int, int]]:
         """One matmul for q, k and v: small batches pay per call, not per FLOP."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = nn.Parameter(torch.cat([p.weight for p in projs]), requires_grad=False)
-        self.qkv_bias = (nn.Parameter(torch.cat([p.bias for p in projs]), requires_grad=False)
-                         if self.q_proj.bias is not None else None)
-        del self.q_proj, self.k_proj, self.v_proj
+        return fuse_linears(self, "qkv", ("q_proj", "k_proj", "v_proj"))
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch: PagedBatch):
         B, Q, _ = x.shape
@@ -87,13 +115,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=arch.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
-    def fuse(self) -> None:
+    def fuse(self) -> dict[str, tuple[str, int, int]]:
         """One matmul for gate and up."""
-        projs = (self.gate_proj, self.up_proj)
-        self.gate_up_weight = nn.Parameter(torch.cat([p.weight for p in projs]), requires_grad=False)
-        self.gate_up_bias = (nn.Parameter(torch.cat([p.bias for p in projs]), requires_grad=False)
-                             if self.gate_proj.bias is not None else None)
-        del self.gate_proj, self.up_proj
+        return fuse_linears(self, "gate_up", ("gate_proj", "up_proj"))
 
     def forward(self, x):
         gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
@@ -137,11 +161,18 @@ class CausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = RotaryEmbedding(config, self.head_dim)
 
-    def fuse_projections(self) -> None:
-        """After loading: checkpoint-shaped q/k/v and gate/up become fused matmuls."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+    def fuse_projections(self) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint-shaped q/k/v and gate/up become fused matmuls.
+
+        Returns {checkpoint name: (parameter name, first row, end row)} for every fused tensor.
+        """
+        layout = {}
+        for i, layer in enumerate(self.model.layers):
+            for prefix, module in ((f"model.layers.{i}.self_attn.", layer.self_attn),
+                                   (f"model.layers.{i}.mlp.", layer.mlp)):
+                fused = module.fuse().items()
+                layout.update({prefix + src: (prefix + dst, a, b) for src, (dst, a, b) in fused})
+        return layout
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """[k/v, layers, slots, kv heads, head dim]: one tensor holds the whole cache."""

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from torch import nn
 
 from worker.models.llama import CausalLM
 
@@ -48,27 +49,107 @@ def _weight_files(directory: Path) -> list[Path]:
     return files
 
 
+# The safetensors format: u64 header length, a JSON header {name: {dtype, shape, data_offsets}}, data.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+    "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}
+
+
+def read_safetensors_header(file) -> tuple[dict[str, dict], int]:
+    """({name: {dtype, shape, data_offsets}}, offset of the data) of an open safetensors file."""
+    raw = file.read(8)
+    if len(raw) != 8:
+        raise ModelLoadError(f"{file.name}: not a safetensors file (too short)")
+    (length,) = struct.unpack("<Q", raw)
+    try:
+        header = json.loads(file.read(length))
+    except (ValueError, MemoryError) as exc:
+        raise ModelLoadError(f"{file.name}: not a safetensors file ({exc})") from exc
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def _read_into(file, dest: torch.Tensor, dtype: torch.dtype, offset: int, nbytes: int) -> None:
+    """Fill `dest` with the file's bytes at offset (stored as `dtype`): read, never mapped.
+
+    Same dtype on the CPU: straight into dest's memory; otherwise through one host temporary.
+    """
+    direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
+    buffer = dest if direct else torch.empty(dest.shape, dtype=dtype)
+    if buffer.numel() * buffer.element_size() != nbytes:
+        raise ModelLoadError(f"{file.name}: tensor at byte {offset} holds {nbytes} bytes, "
+                             f"expected {tuple(dest.shape)} x {buffer.element_size()}")
+    view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+    file.seek(offset)
+    done = 0
+    while done < nbytes:
+        n = file.readinto(view[done:])
+        if not n:
+            raise ModelLoadError(f"{file.name}: truncated (tensor at byte {offset})")
+        done += n
+    if not direct:
+        dest.copy_(buffer)
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Give every parameter of a meta-built model real, uninitialised storage; {name: tensor}."""
+    params = {}
+    for name, meta in model.named_parameters():  # tied parameters appear once
+        owner, _, leaf = name.rpartition(".")
+        real = nn.Parameter(torch.empty(meta.shape, dtype=dtype, device=device), requires_grad=False)
+        setattr(model.get_submodule(owner), leaf, real)
+        params[name] = real.data
+    return params
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model on the meta device, then take the checkpoint's tensors as parameters."""
+    """Build the model on the meta device, then read the checkpoint into its (fused) parameters.
+
+    Each weight is held once: tensors are read (not mapped) straight into their final storage
+    (q/k/v and gate/up into their rows of the fused matrices), so no checkpoint file stays
+    mapped and no unfused copy is ever made, on the host or in a CUDA allocator's cache.
+    """
     config = load_config(path)
     with torch.device("meta"):
         model = CausalLM(config)
-    state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(Path(path)):
-        state.update(load_file(file, device=str(device)))
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
+        layout = model.fuse_projections()  # shapes only: {checkpoint name: (fused name, rows)}
+    tied = bool(config.tie_word_embeddings)
+    params = _materialize(model, dtype, device)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    expected = {name for name in params if not (tied and name == "lm_head.weight")}
+    expected = (expected - {dst for dst, _, _ in layout.values()}) | set(layout)
+    filled: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for file in _weight_files(Path(path)):
+            with open(file, "rb", buffering=0) as f:
+                header, data_start = read_safetensors_header(f)
+                for name, info in header.items():
+                    if tied and name == "lm_head.weight":
+                        continue
+                    dst, rows = (layout[name][0], layout[name][1:]) if name in layout else (name, None)
+                    if dst not in params:
+                        unexpected.append(name)
+                        continue
+                    dest = params[dst] if rows is None else params[dst][rows[0]:rows[1]]
+                    stored = SAFETENSORS_DTYPES.get(info["dtype"])
+                    if stored is None:
+                        raise ModelLoadError(f"{file}: {name} has unsupported dtype {info['dtype']}")
+                    if list(dest.shape) != list(info["shape"]):
+                        raise ModelLoadError(f"{path}: {name} has shape {info['shape']}, "
+                                             f"{config.architectures[0]} expects {list(dest.shape)}")
+                    begin, end = info["data_offsets"]
+                    _read_into(f, dest, stored, data_start + begin, end - begin)
+                    filled.add(name)
+    missing = expected - filled
     if missing or unexpected:
         raise ModelLoadError(f"{path}: checkpoint does not match {config.architectures[0]}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    state = {k: v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary.to(device)  # computed, not loaded
-    model.fuse_projections()
     return model.eval().requires_grad_(False)
 
 
