@@ -15,10 +15,9 @@ STARTUP_TIMEOUT = 300  # about 40 s on an idle 2-core machine; far more when the
 
 
 def vllm_python() -> Path | None:
-    """The vLLM venv's interpreter: $VLLM_VENV, else .venv-vllm in the repository; None if absent."""
+    """The vLLM venv's interpreter: $VLLM_VENV, else .venv-vllm in the repository; None if absent or half-built."""
     venv = Path(os.environ.get("VLLM_VENV") or ROOT / ".venv-vllm")
-    python = venv / "bin" / "python"
-    return python if python.exists() else None
+    return venv / "bin" / "python" if (venv / ".ready").exists() else None
 
 
 def vllm_command(model: str | Path, port: int, draft: str | Path | None = None, k: int = 4,
