@@ -11,8 +11,13 @@ from worker.selfcheck.workers import WorkerProcess
 
 TITLE = "the draft counts (seed 000)"
 TOLERANCE = 0.02
-# Entries both runs have: what differs in them is the draft's other costs (its activations, its loader).
-SHARED = ("runtime", "activation_peak", "non_torch", "cuda_graph")
+
+
+def non_kv_bytes(ledger: dict) -> int:
+    """Every entry but the KV cache and the draft's weights: what differs between the two runs in these
+    is the draft's other costs (its activations, its loader, allocator and per-sequence state)."""
+    return sum(e["bytes"] for e in ledger["entries"]
+               if e["component"] != "kv_cache" and (e["component"], e["model"]) != ("weights", "draft"))
 
 
 def within(measured: float, expected: float, tolerance: float = TOLERANCE) -> bool:
@@ -55,8 +60,7 @@ def check_draft_run(ctx: Context, result: ScenarioResult, base: dict, spec: Work
 
     # Same budget: the KV cache loses the draft's weights and its other measured costs, and what is
     # left is split into blocks that hold the draft's layers too.
-    other = sum(entry(mine, c) - entry(base, c) for c in SHARED)
-    other += entry(mine, "weights", "target") - entry(base, "weights", "target")
+    other = non_kv_bytes(mine) - non_kv_bytes(base)
     left = entry(base, "kv_cache") + (mine["budget"]["bytes"] - budget) - draft_weights - other
     expected_blocks = left / (target_block + draft_block)
     blocks = mine["kv_cache"]["blocks_total"]
