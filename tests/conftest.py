@@ -20,3 +20,16 @@ def checkpoints(tmp_path_factory):
         built[family] = make_checkpoint(root / family, family, layers=2, seed=0)
         built[family + "-draft"] = make_checkpoint(root / (family + "-draft"), family, layers=1, seed=1)
     return {k: str(v) for k, v in built.items()}
+
+
+@pytest.fixture
+def api():
+    """A local server answering the Kubernetes API's pod list and get (tests/kube_api.py)."""
+    from kube_api import KubeAPI
+
+    server = KubeAPI()
+    yield server
+    try:
+        server.stop()
+    except OSError:  # a test that stopped it already
+        pass

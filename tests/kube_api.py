@@ -114,3 +114,14 @@ class KubeAPI:
                 self.wfile.write(body)
 
         return Handler
+
+
+class Clock:
+    """Time the test moves by hand: cache ages without waiting."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+

@@ -4,7 +4,7 @@ are found by their cgroups."""
 from __future__ import annotations
 
 import pytest
-from kube_api import KubeAPI, pod
+from kube_api import Clock, pod
 from kubernetes import client
 from test_exporter_host import spawn  # noqa: F401
 from test_exporter_real_worker import worker  # noqa: F401
@@ -17,20 +17,6 @@ from exporter.processes import NotFound
 
 NODE = "gpu-node-1"
 UID = "7c1f5c5a-3b9e-4f8e-9d6c-2a1b0c9d8e7f"
-
-
-class Clock:
-    now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def api():
-    server = KubeAPI()
-    yield server
-    server.stop()
 
 
 def discovered(api, clock, errors, given=()) -> DiscoveredEngines:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from kube_api import KubeAPI, pod
+from kube_api import Clock, KubeAPI, pod
 from kubernetes import client
 
 from exporter.cgroups import CgroupIdentity, parse_cgroup
@@ -13,26 +13,6 @@ from exporter.kubernetes import NO_POD, SOURCE, PodDirectory, PodLabels
 
 NODE = "gpu-node-1"
 CID = {name: (f"{i:x}" * 64)[:64] for i, name in enumerate(("worker", "sidecar", "vllm", "trainer", "new"), 1)}
-
-
-class Clock:
-    """Time the test moves by hand: cache ages without waiting."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def api():
-    server = KubeAPI()
-    yield server
-    try:
-        server.stop()
-    except OSError:
-        pass
 
 
 @pytest.fixture

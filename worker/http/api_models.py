@@ -266,7 +266,7 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None  # abort: the worker stopped (drain timeout)
     token_ids: list[int] | None = None
 
@@ -304,7 +304,7 @@ class ChatLogprobs(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None  # abort: the worker stopped (drain timeout)
     token_ids: list[int] | None = None
 
