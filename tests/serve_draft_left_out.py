@@ -13,13 +13,13 @@ from worker.engine import llm_engine
 from worker.engine.memory_setup import plan_memory
 
 
-def plan_memory_without_the_draft(runner, config, device, ledger, tokenizer=None) -> int:
+def plan_memory_without_the_draft(runner, config, device, ledger, tokenizer=None, server_state=None) -> int:
     draft_weights = ledger.bytes_of("weights", "draft")
     ledger.entries = [e for e in ledger.entries if (e.component, e.model) != ("weights", "draft")]
     bytes_per_block = runner.bytes_per_block
     runner.bytes_per_block = lambda name=None: bytes_per_block(name or "target")
     try:
-        return plan_memory(runner, config, device, ledger, tokenizer)
+        return plan_memory(runner, config, device, ledger, tokenizer, server_state)
     finally:
         runner.bytes_per_block = bytes_per_block
         if draft_weights:  # the ledger still lists the draft's weights: only the plan forgot them

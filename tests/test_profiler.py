@@ -169,6 +169,7 @@ def _ledger(device) -> Ledger:
     ledger.record("non_torch", 10 * MiB)
     ledger.record("allocator", 12 * MiB)
     ledger.record("sequence_state", 300 * 1024)
+    ledger.record("server", 2 * MiB)
     ledger.record("cuda_graph", 0)
     ledger.set_kv_cache(block_size=16, bytes_per_block=MiB, blocks_total=2000)
     return ledger
