@@ -138,3 +138,12 @@ def test_probes_notice_when_a_step_gets_cheaper(policy):
     # The load on the device changes: proposals become cheap; only steps that measure them can tell.
     drive(spec, clock, 400, 8, step_cost(0.02, 1.0, 0.02), 0.8, random.Random(7))
     assert spec.current == K
+
+
+def test_steps_slowed_by_other_work_do_not_decide(policy):
+    spec, clock = policy
+    noise, cost = random.Random(8), step_cost(0.3, 1.0, 1.0)  # k=0 is best by far
+    # Every third step on average runs up to 6x slower: a neighbour's work, whatever k the step had.
+    drive(spec, clock, 400, 32, lambda k: cost(k) * (1 + 5 * noise.random() if noise.random() < 0.3 else 1),
+          0.7, random.Random(8))
+    assert spec.current == 0

@@ -8,14 +8,13 @@ and picks the k in 0..K with the most expected tokens per second.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 
 PROBE_EVERY = 32  # steps of a bucket between probes of another k: costs drift with context and load
 MAX_DRAFT_LAG = 16  # plain steps in a row at most: the draft catches up on them in its next step
-COST_WINDOW = 3  # step times kept per (bucket, k): their median shrugs off one slow step
+COST_WINDOW = 5  # step times kept per (bucket, k): a slow step (contention, warm-up) is outlived
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
 
 
@@ -64,8 +63,11 @@ class StepCosts:
         return k in self._times.get(bucket_, {})
 
     def estimate(self, bucket_: int, k: int) -> float:
-        """The measured cost, or a line between the nearest measured k below and above."""
-        times = {j: statistics.median(t) for j, t in self._times[bucket_].items()}
+        """The measured cost, or a line between the nearest measured k below and above.
+
+        Contention with other work only ever adds time: the fastest recent step is the cost.
+        """
+        times = {j: min(t) for j, t in self._times[bucket_].items()}
         if k in times:
             return times[k]
         below = max((j for j in times if j < k), default=None)
