@@ -36,7 +36,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, draft_model=None if args.no_draft else args.draft_model,
-        num_speculative_tokens=args.num_speculative_tokens, speculation=args.speculation, device=args.device, dtype=args.dtype,
+        num_speculative_tokens=args.num_speculative_tokens, speculation=args.speculation,
+        device=args.device, dtype=args.dtype,
         memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size)

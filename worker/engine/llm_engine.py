@@ -125,8 +125,8 @@ class LLMEngine:
             return []
         # A seeded sampled request draws its random numbers per proposal: it keeps one k (K) so its
         # text depends on the seed only, never on the load.
-        k = None if batch.is_prefill else self.speculation.start_step(
-            len(batch.seqs), pinned=any(s.params.seed is not None and not s.params.greedy for s in batch.seqs))
+        seeded = any(s.params.seed is not None and not s.params.greedy for s in batch.seqs)
+        k = None if batch.is_prefill else self.speculation.start_step(len(batch.seqs), pinned=seeded)
         if batch.is_prefill:
             (new_tokens, logprobs), accepted = self._prefill(batch.seqs), None
         elif k == 0:
