@@ -3,6 +3,7 @@
 Each row runs its three engines in turn, several times (the machine's load hits all three alike),
 after one warm-up run each (the adaptive policy keeps what it learnt, as a server does):
   python bench/speculation.py [--batches 1,16,32] [--tokens 128] [--repeats 5] [--temperature 0]
+                              [-k 4] [--adaptive-k K]   (adaptive's upper bound; default -k)
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from worker.engine.sampling_params import SamplingParams
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
            "    def __repr__(self):\n", "def parse_args(argv):\n    parser = ", "try:\n    import json\n",
            "for line in sys.stdin:\n", "def _check(value, name):\n    if not "]
-MODES = {"plain": dict(draft_model=None), "fixed": dict(speculation="fixed"), "adaptive": dict()}
 
 
 def count_k(engine: LLMEngine) -> Counter:
@@ -38,8 +38,9 @@ def count_k(engine: LLMEngine) -> Counter:
 def row(batch: int, args) -> dict[str, list[float]]:
     params = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-    engines = {m: LLMEngine(EngineConfig(max_num_seqs=batch, max_model_len=512, num_speculative_tokens=args.k, **kw))
-               for m, kw in MODES.items()}
+    modes = {"plain": dict(draft_model=None), "fixed": dict(speculation="fixed", num_speculative_tokens=args.k),
+             "adaptive": dict(num_speculative_tokens=args.adaptive_k or args.k)}
+    engines = {m: LLMEngine(EngineConfig(max_num_seqs=batch, max_model_len=512, **kw)) for m, kw in modes.items()}
     for engine in engines.values():
         engine.generate(prompts, params)  # warm-up
     ks = count_k(engines["adaptive"])
@@ -65,10 +66,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("-k", type=int, default=4, help="K: fixed k, and adaptive's upper bound")
+    ap.add_argument("-k", type=int, default=4, help="fixed k, and adaptive's upper bound")
+    ap.add_argument("--adaptive-k", type=int, default=None, help="adaptive's upper bound (default: -k)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.tokens} new tokens, "
-          f"temperature {args.temperature}, K={args.k}, {args.repeats} runs per engine")
+          f"temperature {args.temperature}, fixed k={args.k}, adaptive K={args.adaptive_k or args.k}, {args.repeats} runs per engine")
     table = []
     for batch in map(int, args.batches.split(",")):
         s = row(batch, args)
