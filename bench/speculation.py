@@ -38,8 +38,8 @@ def count_k(engine: LLMEngine) -> Counter:
 def row(batch: int, args) -> dict[str, list[float]]:
     params = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-    modes = {"plain": dict(draft_model=None), "fixed": dict(speculation="fixed", num_speculative_tokens=args.k),
-             "adaptive": dict(num_speculative_tokens=args.adaptive_k or args.k)}
+    modes = {"plain": {"draft_model": None}, "fixed": {"speculation": "fixed", "num_speculative_tokens": args.k},
+             "adaptive": {"num_speculative_tokens": args.adaptive_k or args.k}}
     engines = {m: LLMEngine(EngineConfig(max_num_seqs=batch, max_model_len=512, **kw)) for m, kw in modes.items()}
     for engine in engines.values():
         engine.generate(prompts, params)  # warm-up
