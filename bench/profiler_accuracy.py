@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from worker.cli import add_engine_flags, engine_config
+from worker.cli import add_engine_flags, add_waiting_flag, engine_config
 
 MiB = 1 << 20
 KV_SHARE_TARGET = 0.95
@@ -190,18 +190,22 @@ def main() -> None:
     ap.add_argument("--http", action="store_true", help="load a `serve` worker through its API")
     ap.add_argument("--requests", type=int, default=None,
                     help="HTTP mode: concurrent requests (default 3 x max_num_seqs)")
+    add_waiting_flag(ap)
+    ap.set_defaults(max_waiting=None)  # HTTP mode: every request may wait (none refused)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one run, JSON out
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(engine_run(args)), flush=True)
         return
     argv = [a for a in sys.argv[1:] if a not in ("--http",)]
-    argv = strip_option(strip_option(argv, "--runs"), "--requests")
+    argv = strip_option(strip_option(strip_option(argv, "--runs"), "--requests"), "--max-waiting")
     args.requests = args.requests or 3 * args.max_num_seqs
+    if args.max_waiting is None:  # a full KV cache runs fewer than max_num_seqs: all may wait
+        args.max_waiting = args.requests
     runs = []
     for i in range(1, args.runs + 1):
         if args.http:
-            result = http_run(args, with_lengths(argv, args))
+            result = http_run(args, [*with_lengths(argv, args), "--max-waiting", str(args.max_waiting)])
         else:
             child = subprocess.run([sys.executable, __file__, "--one", *argv], capture_output=True, text=True)
             lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]

@@ -72,7 +72,7 @@ def test_profile_prints_table_json_and_plot(checkpoints, tmp_path):
     table = profile("--plot", str(tmp_path / "ledger.png"), checkpoints=checkpoints)
     assert table.returncode == 0, table.stderr
     for needle in ("runtime", "weights", "target", "draft", "activation_peak", "non_torch", "allocator",
-                   "sequence_state", "kv_cache",
+                   "sequence_state", "server", "kv_cache",
                    "KV capacity", "maximum concurrency"):
         assert needle in table.stdout
     assert (tmp_path / "ledger.png").stat().st_size > 1000
@@ -129,3 +129,35 @@ def test_budget_that_only_the_new_entries_push_over_fails_naming_the_setting(che
     # Re-measured, the entries before the new ones still fit: the new ones alone pushed it over.
     remeasured_new = ledger.bytes_of("sequence_state") + ledger.bytes_of("allocator")
     assert ledger.non_kv_bytes - remeasured_new <= budget < ledger.non_kv_bytes
+
+
+def entry(doc: dict, component: str) -> int:
+    return next(e["bytes"] for e in doc["entries"] if e["component"] == component)
+
+
+def test_server_entry_holds_every_request_admission_lets_in(checkpoints):
+    """`profile` declares what `serve` holds for max_num_seqs + --max-waiting requests in flight."""
+    few = json.loads(profile("--json", "--max-waiting", "1", checkpoints=checkpoints).stdout)
+    many = json.loads(profile("--json", "--max-waiting", "2048", checkpoints=checkpoints).stdout)
+    # 2031 more requests of 256 tokens (body, collected completion, engine state while queued).
+    assert entry(many, "server") - entry(few, "server") > 2031 * 8 * 1024
+    for doc in (few, many):
+        assert entry(doc, "server") > 0
+        assert doc["declared_bytes"] == doc["budget"]["bytes"] == sum(e["bytes"] for e in doc["entries"])
+
+
+def test_engine_alone_declares_no_server(checkpoints):
+    engine = LLMEngine(EngineConfig(model=checkpoints["llama"], draft_model=None, max_model_len=128))
+    assert engine.ledger.bytes_of("server") == 0
+    assert "server" in [e.component for e in engine.ledger.entries]
+
+
+def test_budget_that_only_the_requests_in_flight_push_over_fails_naming_the_setting(checkpoints):
+    few = json.loads(profile("--json", "--max-waiting", "1", checkpoints=checkpoints).stdout)
+    non_kv = few["declared_bytes"] - entry(few, "kv_cache")
+    # Room for everything but what 4096 queued requests hold (about 150 MiB on this pair).
+    utilization = (non_kv + (64 << 20)) / few["device"]["total_bytes"]
+    result = profile("--max-waiting", "4096", "--memory-utilization", f"{utilization:.6f}", checkpoints=checkpoints)
+    assert result.returncode != 0
+    assert re.search(r"below the .* before any KV cache .*the server's requests in flight.*"
+                     r"Raise --memory-utilization", result.stderr, re.DOTALL), result.stderr

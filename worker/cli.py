@@ -33,6 +33,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
+def add_waiting_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help="queued requests beyond this are refused with 503 and Retry-After; the ledger's "
+                        "`server` entry holds max-num-seqs + N requests in flight")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, draft_model=None if args.no_draft else args.draft_model,
@@ -53,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require this Bearer token on /v1/* (or set VRAMLEDGER_API_KEY)")
-    serve.add_argument("--max-waiting", type=int, default=256, metavar="N",
-                       help="queued requests beyond this are refused with 503 and Retry-After")
+    add_waiting_flag(serve)
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, running requests get this long to finish before they are aborted "
                             "(default 30; match the pod's terminationGracePeriodSeconds)")
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="load, profile, print the memory ledger, exit")
     add_engine_flags(prof)
+    add_waiting_flag(prof)
     prof.add_argument("--json", action="store_true", help="print the ledger JSON of GET /v1/memory")
     prof.add_argument("--plot", metavar="FILE.png", help="draw the ledger against budget and device total")
     prof.set_defaults(run=run_profile)
@@ -93,10 +99,14 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_profile(args: argparse.Namespace) -> int:
     import json
 
+    from functools import partial
+
     from worker.engine.llm_engine import LLMEngine
+    from worker.http.request_state import requests_in_flight
     from worker.memory.ledger import format_table, plot
 
-    engine = LLMEngine(engine_config(args))
+    config = engine_config(args)  # the ledger `serve` would declare, its requests in flight included
+    engine = LLMEngine(config, partial(requests_in_flight, config, args.max_waiting))
     if args.json:
         print(json.dumps(engine.memory_report(), indent=2))
     else:

@@ -5,6 +5,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -35,7 +36,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LLMEngine:
     """Continuous-batching speculative decoding over one paged KV cache."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig,
+                 server_state: Callable[[object, torch.device], object] | None = None):
+        """server_state(tokenizer, device) builds what a server in front holds for its requests
+        in flight, measured into the ledger's `server` entry (worker/http/request_state.py)."""
         self.config = config
         self.device = get_device(config.device)
         self.dtype = self.device.dtype if config.dtype == "auto" else DTYPES[config.dtype]
@@ -54,7 +58,9 @@ class LLMEngine:
             config.resolve_lengths(target.config.max_position_embeddings)
             self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
             bar.set_postfix_str("profiling")
-            self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer)
+            held_by_server = server_state and (lambda: server_state(self.tokenizer, self.device.torch_device))
+            self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer,
+                                          held_by_server)
             bar.update()
             bar.set_postfix_str("allocating the KV cache")
             self.runner.allocate_kv_cache(self.num_blocks)

@@ -1,6 +1,8 @@
 """From measured memory to a KV cache size: profile, budget, check, record."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.profile_run import profile_blocks, request_states, run_varied, run_worst_case
@@ -17,8 +19,12 @@ from worker.memory.profiler import MemorySnapshot, measure_held, profile_window
 
 
 def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledger: Ledger,
-                tokenizer=None) -> int:
-    """Measure the worst step, size the KV cache from the budget, and return its block count."""
+                tokenizer=None, server_state: Callable[[], object] | None = None) -> int:
+    """Measure the worst step, size the KV cache from the budget, and return its block count.
+
+    server_state builds what a server in front of the engine holds for every request it may
+    have in flight (worker/http/request_state.py); without a server that entry is 0.
+    """
     c, k = config, config.num_speculative_tokens
     utilization = c.memory_utilization
     if utilization is None and device.kind == "cuda" and c.kv_cache_memory is None:
@@ -45,6 +51,7 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     # Host state the engine keeps per request, for max_num_seqs requests at their longest.
     states = measure_held(device, lambda: request_states(c, tokenizer, device.torch_device))
     ledger.record("sequence_state", states)
+    ledger.record("server", measure_held(device, server_state) if server_state else 0)
     ledger.record("cuda_graph", 0)  # graphs are not captured (yet): eager execution
 
     per_block = runner.bytes_per_block()

@@ -64,16 +64,23 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
     verify(torch.stack(drafts, 1), torch.stack(draft_probs, 1), p, rp)
 
 
+VARIED_ROUNDS = 3  # measured: the peak stops rising after two or three rounds
+VARIED_SHAPES = ((1, 2), (3, 4), (1, 4))  # (numerator, denominator) of the longest context and batch
+
+
 def run_varied(runner: ModelRunner, config: EngineConfig) -> None:
-    """Steps of other shapes, as a real run mixes them (half the batch at half the context), then
-    the worst step again: freed blocks of the first shapes that cannot serve the next raise the peak."""
-    run_worst_case(runner, config, longest=max(2, config.max_model_len // 2),
-                   batch=max(1, config.max_num_seqs // 2))
-    run_worst_case(runner, config)
+    """Steps of other shapes, as serving mixes them (prompts and batches of other sizes), each
+    followed by the worst step, for several rounds: freed blocks of earlier steps that cannot
+    serve the next ones raise the peak, a little more each round until the heap settles."""
+    for _ in range(VARIED_ROUNDS):
+        for num, den in VARIED_SHAPES:
+            run_worst_case(runner, config, longest=max(2, config.max_model_len * num // den),
+                           batch=max(1, config.max_num_seqs * num // den))
+            run_worst_case(runner, config)
 
 
-def request_states(config: EngineConfig, tokenizer, device: torch.device) -> list[tuple]:
-    """What the engine keeps per request, for max_num_seqs requests at max_model_len.
+def request_states(config: EngineConfig, tokenizer, device: torch.device, count: int | None = None) -> list[tuple]:
+    """What the engine keeps per request, for `count` (default max_num_seqs) requests at max_model_len.
 
     Token ids are fresh Python ints, as the tokenizer and the sampler hand them out; each
     request also holds its decoded text, its block table and its own generator.
@@ -81,7 +88,7 @@ def request_states(config: EngineConfig, tokenizer, device: torch.device) -> lis
     vocab = max(2, getattr(tokenizer, "vocab_size", 0) or 2)
     half = config.max_model_len // 2
     states = []
-    for i in range(config.max_num_seqs):
+    for i in range(config.max_num_seqs if count is None else count):
         ids = torch.randint(1, vocab, (config.max_model_len,), generator=torch.Generator().manual_seed(i))
         seq = Sequence(f"profile-{i}", ids[:half].tolist(), WORST_PARAMS)
         seq.output_token_ids = ids[half:].tolist()

@@ -223,16 +223,20 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
     def build():
         from worker.models.loader import load_config, load_tokenizer
 
-        if engine_factory is None:
-            from worker.engine.llm_engine import LLMEngine
-            engine = LLMEngine(config)
-        else:
-            engine = engine_factory(config)
         # The server's own tokenizer: encoding never races the engine thread's decoding.
         tokenizer = load_tokenizer(config.model)
         # Token-id prompts must index the embedding and decode: both limits hold.
-        state["vocab_size"] = min(len(tokenizer), load_config(config.model).vocab_size)
-        state["tokenizer"] = tokenizer
+        vocab_size = min(len(tokenizer), load_config(config.model).vocab_size)
+        # What the first request would start once (the encoder thread, its arena, the tokenizer's
+        # pool) starts now, before the ledger takes the runtime: later growth is per request.
+        encoder_thread.submit(prompt_token_ids, "warm up", tokenizer, vocab_size).result()
+        if engine_factory is None:
+            from worker.engine.llm_engine import LLMEngine
+            from worker.http.request_state import requests_in_flight
+            engine = LLMEngine(config, functools.partial(requests_in_flight, config, settings.max_waiting))
+        else:
+            engine = engine_factory(config)
+        state["vocab_size"], state["tokenizer"] = vocab_size, tokenizer
         return engine
 
     engine_loop = EngineLoop(build, RequestMetrics(registry) if settings.metrics else None)

@@ -40,9 +40,8 @@ class Scale:
     ready_timeout: float = 300.0
     load_timeout: float = 300.0
     threads: int | None = None  # OMP_NUM_THREADS for CPU workers (they share the cores)
-    # How far the device's peak may pass the budget. On CUDA not at all: past the budget the GPU runs
-    # out. On the CPU RSS also holds heap that malloc keeps after the load's steps (up to 1.5% here),
-    # and nothing fails at the budget: the same 5% the ledger is held to.
+    # How far the device's peak may pass the budget: not at all, on CUDA (past it the GPU runs out)
+    # as on the CPU (the ledger declares the server's requests in flight and the allocator's slack).
     peak_slack: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -64,7 +63,7 @@ class Scale:
         seqs = max_num_seqs or self.max_num_seqs
         flags = ["--device", self.device, "--model", self.model, "--dtype", self.dtype,
                  "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
-                 "--max-num-seqs", str(seqs), "--max-waiting", str(max(256, seqs)), "--log-level", "WARNING"]
+                 "--max-num-seqs", str(seqs), "--max-waiting", str(seqs), "--log-level", "WARNING"]
         if self.max_num_batched_tokens:
             flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if draft:
@@ -133,7 +132,6 @@ def make_scale(kind: str, device: str, total_bytes: int, element_bytes: int, *, 
         s.neighbour_bytes = 256 * MiB
         s.threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS") else 1
         s.ready_timeout = s.load_timeout = 300.0
-        s.peak_slack = 0.05
     else:
         s.max_model_len = max_model_len or 2048
         s.max_num_seqs = max_num_seqs or (64 if scale == "large" else 256)
