@@ -44,6 +44,7 @@ WORKER_METRICS = {
     "vramledger_spec_decode_accepted_tokens_total": "counter",
     "vramledger_spec_decode_accepted_tokens_per_position_total": "counter",  # {position}
     "vramledger_spec_decode_request_acceptance_ratio": "histogram",
+    "vramledger_spec_decode_num_speculative_tokens": "gauge",
     "vramledger_worker_info": "gauge",  # {model, draft_model, device, num_speculative_tokens, version}
 }
 

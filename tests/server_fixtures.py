@@ -96,14 +96,15 @@ _servers: dict[str, Server] = {}
 def servers(checkpoints: dict, workdir: Path) -> dict[str, Server]:
     """Start (once per test process) the two servers the tests use, in parallel.
 
-    "spec": the llama target (with a chat template) and its draft, default limits.
+    "spec": the llama target (with a chat template) and its draft, k fixed at 4, default limits.
     "plain": the same target without a draft, with an API key, one running request and one
     waiting slot (overload), and a short context (schemathesis stays fast).
     """
     if not _servers:
         target = with_chat_template(checkpoints["llama"], workdir / "llama-chat")
-        _servers["spec"] = Server("spec", ["--model", target, "--draft-model", checkpoints["llama-draft"]],
-                                  workdir / "spec.log")
+        # Fixed k: the metric tests count exactly K proposals per draft.
+        _servers["spec"] = Server("spec", ["--model", target, "--draft-model", checkpoints["llama-draft"],
+                                           "--speculation", "fixed"], workdir / "spec.log")
         _servers["plain"] = Server("plain", ["--model", target, "--no-draft", "--api-key", API_KEY,
                                              "--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "64"],
                                    workdir / "plain.log")

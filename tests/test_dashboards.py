@@ -46,6 +46,7 @@ REQUIRED_SERIES = {
         "vramledger:spec_decode_acceptance_rate:rate5m", "vramledger:spec_decode_mean_acceptance_length:rate5m",
         "vramledger_spec_decode_accepted_tokens_per_position_total",
         "vramledger_spec_decode_request_acceptance_ratio_bucket", "vramledger_preemptions_total",
+        "vramledger_spec_decode_num_speculative_tokens",
     },
 }
 LEDGER_COMPONENTS = {"runtime", "weights", "activation_peak", "non_torch", "cuda_graph", "kv_cache"}

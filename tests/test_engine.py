@@ -1,10 +1,13 @@
 """Speculative decoding through the engine: exactness, acceptance, preemption, stopping."""
+import itertools
+
 import pytest
 import torch
 
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.speculation import Speculation
 from worker.models.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -26,6 +29,39 @@ def test_greedy_speculative_equals_greedy_plain(checkpoints, family, batch):
     spec = engine(checkpoints[family], checkpoints[family + "-draft"]).generate(prompts(batch), GREEDY)
     assert [r[0] for r in spec] == [r[0] for r in plain]
     assert all(len(r[0]) == 24 and r[2] == "length" for r in spec)
+
+
+class Scripted(Speculation):
+    """A policy that proposes the given ks in turn, whatever they cost."""
+
+    def __init__(self, ks):
+        super().__init__(max(ks))
+        self.ks = itertools.cycle(ks)
+
+    def choose(self, batch_size):
+        self.current = next(self.ks)
+        return self.current
+
+
+@pytest.mark.parametrize("ks", [[0, 3, 1, 4, 2], [4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_with_k_changing_every_step_equals_greedy_plain(checkpoints, batch, ks):
+    """Plain steps leave the draft behind; its next proposal catches up first."""
+    plain = engine(checkpoints["llama"]).generate(prompts(batch), GREEDY)
+    spec = engine(checkpoints["llama"], checkpoints["llama"])  # the target as its own draft: all accepted
+    spec.speculation = Scripted(ks)
+    assert [r[0] for r in spec.generate(prompts(batch), GREEDY)] == [r[0] for r in plain]
+    assert spec.stats.acceptance_rate == 1.0  # a draft out of step would propose other tokens
+    assert spec.stats.draft_tokens < 4 * spec.stats.drafts  # steps did propose fewer than K
+
+
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_both_speculation_modes_keep_greedy_exact(checkpoints, speculation):
+    plain = engine(checkpoints["llama"]).generate(prompts(8), GREEDY)
+    spec = engine(checkpoints["llama"], checkpoints["llama-draft"], speculation=speculation)
+    assert [r[0] for r in spec.generate(prompts(8), GREEDY)] == [r[0] for r in plain]
+    if speculation == "fixed":
+        assert spec.stats.draft_tokens == 4 * spec.stats.drafts
 
 
 def test_identical_draft_accepts_everything(checkpoints):

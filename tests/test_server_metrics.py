@@ -82,6 +82,7 @@ def test_request_metrics_follow_a_request(spec_server):
     assert delta("vramledger_inter_token_latency_seconds_count") == 9  # the gaps between 10 tokens
     drafts = delta("vramledger_spec_decode_drafts_total")
     assert drafts >= 3 and delta("vramledger_spec_decode_draft_tokens_total") == 4 * drafts
+    assert metric_value(after, "vramledger_spec_decode_num_speculative_tokens") == 4  # --speculation fixed
     accepted = delta("vramledger_spec_decode_accepted_tokens_total")
     assert accepted == delta("vramledger_spec_decode_accepted_tokens_per_position_total", 'position="0"') + \
         sum(delta("vramledger_spec_decode_accepted_tokens_per_position_total", f'position="{i}"')

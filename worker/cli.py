@@ -15,7 +15,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     draft = p.add_mutually_exclusive_group()
     draft.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL, help="draft checkpoint directory")
     draft.add_argument("--no-draft", action="store_true", help="plain decoding, no draft model")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens per step: the upper bound with adaptive speculation (default 4)")
+    p.add_argument("--speculation", choices=["fixed", "adaptive"], default="adaptive",
+                   help="adaptive: k in 0..K each step, by measured acceptance and step costs; fixed: always K")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
@@ -39,7 +42,8 @@ def add_waiting_flag(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, draft_model=None if args.no_draft else args.draft_model,
-        num_speculative_tokens=args.num_speculative_tokens, device=args.device, dtype=args.dtype,
+        num_speculative_tokens=args.num_speculative_tokens, speculation=args.speculation,
+        device=args.device, dtype=args.dtype,
         memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size)
@@ -123,10 +127,11 @@ def run_generate(args: argparse.Namespace) -> int:
     (tokens, text, reason), = engine.generate([args.prompt], params)
     print(args.prompt + text)
     print(f"-- {len(tokens)} tokens, finish_reason={reason}", file=sys.stderr)
-    if engine.k:
+    if engine.max_k:
         s = engine.stats
         print(f"-- acceptance rate {s.acceptance_rate:.3f}, mean acceptance length "
-              f"{s.mean_acceptance_length:.2f} (k={engine.k})", file=sys.stderr)
+              f"{s.mean_acceptance_length:.2f} (k={s.current_speculative_tokens} of at most {engine.max_k}, "
+              f"{engine.config.speculation})", file=sys.stderr)
     return 0
 
 

@@ -16,7 +16,8 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     draft_model: str | None = DEFAULT_DRAFT_MODEL
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 4  # K: every step's k with --speculation fixed, the upper bound with adaptive
+    speculation: str = "adaptive"  # adaptive: k in 0..K per step, by expected tokens per second
     device: str = "auto"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 (or fp16) on CUDA
     block_size: int = 16
@@ -33,6 +34,8 @@ class EngineConfig:
             self.draft_model, self.num_speculative_tokens = None, 0
         _check(self.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0")
         _check(self.num_speculative_tokens <= 16, "num_speculative_tokens must be <= 16")
+        _check(self.speculation in ("fixed", "adaptive"),
+               f"speculation must be fixed or adaptive, not {self.speculation!r}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")

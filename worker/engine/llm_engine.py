@@ -22,6 +22,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify
+from worker.engine.speculation import speculation_policy
 from worker.memory.device import get_device
 from worker.memory.ledger import Ledger, format_table, summary_line
 from worker.memory.profiler import measure_weights
@@ -67,9 +68,11 @@ class LLMEngine:
         log.info(summary_line(self.ledger))
         log.debug("memory ledger:\n%s", format_table(self.ledger))
         self.blocks = BlockManager(self.num_blocks, config.block_size)
-        self.k = config.num_speculative_tokens
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.k)
-        self.stats = EngineStats(num_speculative_tokens=self.k)
+        self.max_k = config.num_speculative_tokens
+        # Every decode step may propose up to K tokens: the scheduler reserves slots for K.
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_k)
+        self.speculation = speculation_policy(config.speculation, self.max_k)
+        self.stats = EngineStats(num_speculative_tokens=self.max_k, current_speculative_tokens=self.max_k)
         self.ledger.blocks_used = lambda: self.blocks.num_used
         self.eos_token_ids = eos_ids(self.tokenizer, target.config)
         self.vocab_size = target.config.vocab_size
@@ -126,14 +129,22 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        # A seeded sampled request draws its random numbers per proposal: it keeps one k (K) so its
+        # text depends on the seed only, never on the load.
+        seeded = any(s.params.seed is not None and not s.params.greedy for s in batch.seqs)
+        k = None if batch.is_prefill else self.speculation.start_step(len(batch.seqs), pinned=seeded)
         if batch.is_prefill:
             (new_tokens, logprobs), accepted = self._prefill(batch.seqs), None
-        elif self.k == 0:
+        elif k == 0:
             (new_tokens, logprobs), accepted = self._decode_plain(batch.seqs), None
         else:
-            new_tokens, accepted, logprobs = self._decode_speculative(batch.seqs)
+            new_tokens, accepted, logprobs = self._decode_speculative(batch.seqs, k)
         self.stats.steps += 1
-        return self._postprocess(batch.seqs, new_tokens, accepted, logprobs)
+        outputs = self._postprocess(batch.seqs, new_tokens, accepted, logprobs)
+        if k is not None:  # the whole step is its cost: proposals, verification and bookkeeping
+            self.speculation.finish_step(accepted)
+            self.stats.current_speculative_tokens = self.speculation.current
+        return outputs
 
     def _rows(self, seqs: list[Sequence]) -> RowParams:
         params, outputs = [s.params for s in seqs], [s.output_token_ids for s in seqs]
@@ -164,7 +175,7 @@ class LLMEngine:
         starts = [s.num_cached for s in seqs]
         tables = [s.block_table for s in seqs]
         logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
-        if self.k:
+        if self.max_k:
             self.runner.forward("draft", rows, starts, tables, 0)
         for s in seqs:
             self.stats.prompt_tokens += len(s) - s.num_cached
@@ -183,12 +194,13 @@ class LLMEngine:
         tokens = sample(probabilities(logits, rp), rp)
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
-    def _decode_speculative(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int], list]:
-        B, k, dev = len(seqs), self.k, self.device.torch_device
+    def _decode_speculative(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[int], list]:
+        B, dev = len(seqs), self.device.torch_device
         lens = [len(s) for s in seqs]
         tables = [s.block_table for s in seqs]
         rp = self._rows(seqs)
-        # Propose: k draft steps; the first also catches up on tokens the draft has not seen.
+        # Propose: k draft steps; the first also catches up on tokens the draft has not seen
+        # (the bonus token, and every token of the plain steps since the last proposal).
         rows = [s.token_ids[s.num_draft_cached:] for s in seqs]
         starts = [s.num_draft_cached for s in seqs]
         feed = None
@@ -217,7 +229,7 @@ class LLMEngine:
             s.num_draft_cached = min(length + k - 1, length + n)
             s.num_draft_tokens += k
             s.num_accepted_tokens += n
-        self.stats.record_verification(accepted)
+        self.stats.record_verification(accepted, k)
         return emitted, accepted, self._logprobs(seqs, logits, tokens)
 
     def _postprocess(self, seqs: list[Sequence], new_tokens: list[list[int]],

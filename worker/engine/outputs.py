@@ -34,7 +34,8 @@ class RequestOutput:
 class EngineStats:
     """Cumulative counters since start; gauges are read from the engine when needed."""
 
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int = 0  # K, the most a step proposes
+    current_speculative_tokens: int = 0  # k the policy chose for the latest decode step, probes aside
     prompt_tokens: int = 0
     generation_tokens: int = 0
     drafts: int = 0  # one per request per speculative step
@@ -55,8 +56,8 @@ class EngineStats:
         """Tokens emitted per speculative step: the accepted ones plus the target's own."""
         return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
-    def record_verification(self, num_accepted: list[int]) -> None:
-        k = self.num_speculative_tokens
+    def record_verification(self, num_accepted: list[int], k: int) -> None:
+        """One speculative step that proposed k tokens per row."""
         self.drafts += len(num_accepted)
         self.draft_tokens += k * len(num_accepted)
         self.accepted_tokens += sum(num_accepted)

@@ -10,6 +10,7 @@ from worker.engine.sampler import RowParams, probabilities, sample
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify
+from worker.engine.speculation import MAX_DRAFT_LAG
 
 # Sampling with top-k and top-p takes the most memory (a sort of the vocabulary).
 WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
@@ -47,10 +48,14 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
         logits = runner.forward("target", [[1]] * B, [start] * B, [table] * B, 1)[:, 0]
         sample(probabilities(logits, rp), rp)
         return
+    # The first draft step catches up on the bonus token and, with adaptive speculation, on
+    # every token of the plain steps run since the last proposal.
+    behind = min(longest, 2 + (MAX_DRAFT_LAG if config.speculation == "adaptive" else 0))
     draft_probs, drafts = [], []
     for i in range(k):
-        rows_i = [[1, 1]] * B if i == 0 else [[1]] * B  # the first step may catch up one token
-        logits = runner.forward("draft", rows_i, [start - 1 + i] * B, [table] * B, 1)[:, 0]
+        rows_i = [[1] * behind] * B if i == 0 else [[1]] * B
+        first = start + 1 - behind if i == 0 else start + i
+        logits = runner.forward("draft", rows_i, [first] * B, [table] * B, 1)[:, 0]
         q = probabilities(logits, rp)
         draft_probs.append(q)
         drafts.append(sample(q, rp))

@@ -54,7 +54,8 @@ class EngineCollector(Collector):
         if engine is None:
             return
         # Each source on its own: a failing ledger read must not hide the queue gauges.
-        for source in (self._ledger, self._kv_cache, self._queues, self._counters, self._worker_info):
+        for source in (self._ledger, self._kv_cache, self._queues, self._counters, self._speculation,
+                       self._worker_info):
             try:
                 yield from list(source(engine))
             except Exception:  # a scrape never fails as a whole
@@ -116,6 +117,11 @@ class EngineCollector(Collector):
         for position, accepted in enumerate(stats.accepted_per_position):
             per_position.add_metric((str(position),), accepted)
         yield per_position
+
+    def _speculation(self, engine) -> Iterator[Metric]:
+        yield gauge("vramledger_spec_decode_num_speculative_tokens", "Draft tokens proposed per request "
+                    "per decode step, as the speculation policy last chose (probes aside); at most "
+                    "--num-speculative-tokens, 0 for plain steps.", engine.stats.current_speculative_tokens)
 
     def _worker_info(self, engine) -> Iterator[Metric]:
         info = self._info()

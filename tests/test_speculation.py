@@ -1,0 +1,149 @@
+"""The adaptive speculation policy, driven with given step costs and acceptance (no timings)."""
+import random
+
+import pytest
+
+from worker.engine.speculation import (
+    MAX_DRAFT_LAG,
+    Acceptance,
+    AdaptiveSpeculation,
+    Speculation,
+    expected_tokens,
+    speculation_policy,
+)
+
+K = 4
+
+
+class Clock:
+    """Time the test moves by hand: each step costs what the test says."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step_cost(draft: float, target: float, per_position: float):
+    """Seconds per row of a decode step: k draft steps, then the target over k+1 positions."""
+    return lambda k: k * draft + target + k * per_position
+
+
+def drive(policy: AdaptiveSpeculation, clock: Clock, steps: int, batch: int, cost, alpha: float,
+          rng: random.Random) -> list[int]:
+    """Run the policy as the engine does; rows accept each proposal with probability alpha."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.start_step(batch)
+        clock.now += batch * cost(k)
+        accepted = None if k == 0 else [next((i for i in range(k) if rng.random() >= alpha), k)
+                                        for _ in range(batch)]
+        policy.finish_step(accepted)
+        chosen.append(k)
+    return chosen
+
+
+@pytest.fixture
+def policy():
+    clock = Clock()
+    return AdaptiveSpeculation(K, clock), clock
+
+
+def longest_plain_run(chosen: list[int]) -> int:
+    run = longest = 0
+    for k in chosen:
+        run = run + 1 if k == 0 else 0
+        longest = max(longest, run)
+    return longest
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_acceptance_estimate_counts_only_the_proposals_judged():
+    rng, alpha = random.Random(0), 0.8
+    estimate = Acceptance()
+    for _ in range(200):
+        estimate.observe(K, [next((i for i in range(K) if rng.random() >= alpha), K) for _ in range(8)])
+    # accepted / proposed would read about 0.59 here: proposals after a rejection are never judged.
+    assert estimate.rate == pytest.approx(alpha, abs=0.05)
+
+
+def test_high_acceptance_and_a_cheap_draft_go_deep(policy):
+    spec, clock = policy
+    chosen = drive(spec, clock, 200, 1, step_cost(0.05, 1.0, 0.02), 0.9, random.Random(1))
+    assert spec.current == K
+    assert chosen[-100:].count(K) >= 90  # the rest are probes
+
+
+def test_no_acceptance_turns_speculation_off(policy):
+    spec, clock = policy
+    chosen = drive(spec, clock, 200, 1, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(2))
+    assert spec.current == 0
+    assert chosen[-100:].count(0) >= 80  # the rest: probes, and steps that keep the draft caught up
+
+
+def test_an_expensive_draft_at_a_large_batch_runs_plain(policy):
+    spec, clock = policy
+    # Compute-bound: every verified position costs a target step; acceptance is good but not enough.
+    drive(spec, clock, 300, 32, step_cost(0.3, 1.0, 1.0), 0.7, random.Random(3))
+    assert spec.current == 0
+    # The same acceptance at batch 1, where verifying more positions is nearly free: deep.
+    drive(spec, clock, 300, 1, step_cost(0.1, 1.0, 0.02), 0.7, random.Random(3))
+    assert spec.current == K
+
+
+def test_k_comes_back_when_acceptance_recovers(policy):
+    spec, clock = policy
+    cost = step_cost(0.05, 1.0, 0.02)
+    drive(spec, clock, 200, 4, cost, 0.0, random.Random(4))
+    assert spec.current == 0
+    drive(spec, clock, 200, 4, cost, 0.95, random.Random(4))
+    assert spec.current == K
+
+
+def test_k_never_exceeds_the_bound_and_the_draft_never_lags_too_far(policy):
+    spec, clock = policy
+    chosen = []
+    for batch, alpha in [(1, 0.0), (32, 0.0), (3, 0.5), (16, 0.99)]:
+        chosen += drive(spec, clock, 150, batch, step_cost(0.2, 1.0, 0.3), alpha, random.Random(5))
+    assert set(chosen) <= set(range(K + 1)) and set(chosen) == set(range(K + 1))
+    assert longest_plain_run(chosen) == MAX_DRAFT_LAG
+
+
+def test_a_slow_first_step_is_not_taken_as_the_cost(policy):
+    spec, clock = policy
+    cost = step_cost(0.05, 1.0, 0.02)
+    drive(spec, clock, 150, 1, lambda k: cost(k) * (1000 if k == 0 and clock.now < 10 else 1), 0.0,
+          random.Random(6))
+    assert spec.current == 0  # k=0's warm-up (1000x) is left out
+
+
+def test_fixed_and_draftless_policies():
+    fixed = speculation_policy("fixed", K)
+    assert type(fixed) is Speculation
+    assert [fixed.start_step(b) for b in (1, 8, 32)] == [K] * 3
+    assert speculation_policy("adaptive", 0).start_step(1) == 0  # no draft: plain steps
+    assert isinstance(speculation_policy("adaptive", K), AdaptiveSpeculation)
+
+
+def test_probes_notice_when_a_step_gets_cheaper(policy):
+    spec, clock = policy
+    drive(spec, clock, 200, 8, step_cost(1.0, 1.0, 1.0), 0.8, random.Random(7))
+    assert spec.current == 0
+    # The load on the device changes: proposals become cheap; only steps that measure them can tell.
+    drive(spec, clock, 400, 8, step_cost(0.02, 1.0, 0.02), 0.8, random.Random(7))
+    assert spec.current == K
+
+
+def test_steps_slowed_by_other_work_do_not_decide(policy):
+    spec, clock = policy
+    noise, cost = random.Random(8), step_cost(0.3, 1.0, 1.0)  # k=0 is best by far
+    # Every third step on average runs up to 6x slower: a neighbour's work, whatever k the step had.
+    drive(spec, clock, 400, 32, lambda k: cost(k) * (1 + 5 * noise.random() if noise.random() < 0.3 else 1),
+          0.7, random.Random(8))
+    assert spec.current == 0

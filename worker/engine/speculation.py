@@ -1,0 +1,145 @@
+"""How many tokens the draft proposes each decode step: fixed, or the k that pays best now.
+
+Adaptive speculation follows Leviathan et al. (2023): with a per-token acceptance rate a,
+k proposals emit (1 - a^(k+1)) / (1 - a) tokens per row, and the step costs k draft steps
+plus a target step over k+1 positions (k=0: a plain target step). The policy measures that
+cost itself, as the wall time of whole decode steps per row, for each k and batch-size bucket,
+and picks the k in 0..K with the most expected tokens per second.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+PROBE_EVERY = 32  # steps of a bucket between probes of another k: costs drift with context and load
+MAX_DRAFT_LAG = 16  # plain steps in a row at most: the draft catches up on them in its next step
+COST_WINDOW = 5  # step times kept per (bucket, k): a slow step (contention, warm-up) is outlived
+ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one row emits on average with k proposals at per-token acceptance alpha."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes share costs by power of two: 1, 2, 3-4, 5-8, 9-16, ..."""
+    return (batch_size - 1).bit_length()
+
+
+class Acceptance:
+    """A live estimate of the per-token acceptance rate, from the verified proposals."""
+
+    def __init__(self):
+        self.accepted = self.judged = 0.0
+
+    @property
+    def rate(self) -> float | None:
+        return self.accepted / self.judged if self.judged else None
+
+    def observe(self, k: int, num_accepted: list[int]) -> None:
+        # A row accepting n of k had min(n + 1, k) proposals judged: those after a rejection never were.
+        judged = sum(min(n + 1, k) for n in num_accepted)
+        keep = 0.5 ** (judged / ACCEPTANCE_HALF_LIFE)
+        self.accepted = keep * self.accepted + sum(num_accepted)
+        self.judged = keep * self.judged + judged
+
+
+class StepCosts:
+    """Seconds per row of a decode step with k proposals, per batch-size bucket."""
+
+    def __init__(self):
+        self._seen: set[tuple[int, int]] = set()
+        self._times: dict[int, dict[int, deque[float]]] = {}
+
+    def observe(self, bucket_: int, k: int, seconds_per_row: float) -> None:
+        if (bucket_, k) not in self._seen:
+            self._seen.add((bucket_, k))  # a first step pays for warm-up (allocations, compilation)
+            return
+        self._times.setdefault(bucket_, {}).setdefault(k, deque(maxlen=COST_WINDOW)).append(seconds_per_row)
+
+    def known(self, bucket_: int, k: int) -> bool:
+        return k in self._times.get(bucket_, {})
+
+    def estimate(self, bucket_: int, k: int) -> float:
+        """The measured cost, or a line between the nearest measured k below and above.
+
+        Contention with other work only ever adds time: the fastest recent step is the cost.
+        """
+        times = {j: min(t) for j, t in self._times[bucket_].items()}
+        if k in times:
+            return times[k]
+        below = max((j for j in times if j < k), default=None)
+        above = min((j for j in times if j > k), default=None)
+        if below is None or above is None:
+            return times[above if below is None else below]
+        return times[below] + (times[above] - times[below]) * (k - below) / (above - below)
+
+
+class Speculation:
+    """Fixed k: every decode step proposes K tokens. Subclasses choose per step."""
+
+    def __init__(self, max_k: int, clock: Callable[[], float] = time.perf_counter):
+        self.max_k = max_k
+        self.current = max_k  # the k chosen for the latest step, probes aside (a metric)
+        self.clock = clock
+        self._step: tuple[int, int, float] | None = None
+
+    def start_step(self, batch_size: int, pinned: bool = False) -> int:
+        """The k of the decode step about to run (K when pinned); its time runs until finish_step."""
+        k = self.max_k if pinned else self.choose(batch_size)
+        self._step = (batch_size, k, self.clock())
+        return k
+
+    def finish_step(self, num_accepted: list[int] | None) -> None:
+        """Accepted proposals per row (None for a plain step) of the step start_step began."""
+        batch_size, k, started = self._step
+        self.observe(batch_size, k, self.clock() - started, num_accepted)
+
+    def choose(self, batch_size: int) -> int:
+        return self.max_k
+
+    def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
+        pass
+
+
+class AdaptiveSpeculation(Speculation):
+    """Per step, the k in 0..K with the most expected tokens per second of step."""
+
+    def __init__(self, max_k: int, clock: Callable[[], float] = time.perf_counter):
+        super().__init__(max_k, clock)
+        self.acceptance = Acceptance()
+        self.costs = StepCosts()
+        self._steps: dict[int, int] = {}  # decode steps seen per bucket
+        self._plain_in_a_row = 0
+
+    def choose(self, batch_size: int) -> int:
+        b, K = bucket(batch_size), self.max_k
+        n = self._steps[b] = self._steps.get(b, 0) + 1
+        # Both ends are measured first (K also measures acceptance): the costs between are interpolated.
+        if not self.costs.known(b, K):
+            return K
+        if self._plain_in_a_row >= MAX_DRAFT_LAG:
+            return self._best(b, range(1, K + 1))
+        if not self.costs.known(b, 0):
+            return 0
+        if n % PROBE_EVERY == 0:  # each k in turn, so no estimate goes stale
+            return n // PROBE_EVERY % (K + 1)
+        self.current = self._best(b, range(K + 1))
+        return self.current
+
+    def _best(self, b: int, ks: range) -> int:
+        alpha = self.acceptance.rate or 0.0
+        return max(ks, key=lambda k: expected_tokens(alpha, k) / self.costs.estimate(b, k))
+
+    def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
+        self.costs.observe(bucket(batch_size), k, seconds / batch_size)
+        self._plain_in_a_row = self._plain_in_a_row + 1 if k == 0 else 0
+        if k:
+            self.acceptance.observe(k, num_accepted)
+
+
+def speculation_policy(mode: str, max_k: int) -> Speculation:
+    """The policy the engine asks for k: --speculation fixed|adaptive, K the upper bound."""
+    return AdaptiveSpeculation(max_k) if mode == "adaptive" and max_k else Speculation(max_k)
