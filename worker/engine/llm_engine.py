@@ -180,7 +180,7 @@ class LLMEngine:
     def _decode_speculative(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[int], list]:
         B, k, dev = len(seqs), self.k, self.device.torch_device
         lens = [len(s) for s in seqs]
-        tables = [s.block_table for s in seqs]
+        tables = self.runner.block_tables([s.block_table for s in seqs])
         rp = self._rows(seqs)
         # Propose: k draft steps; the first also catches up on tokens the draft has not seen.
         rows = [s.token_ids[s.num_draft_cached:] for s in seqs]

@@ -96,14 +96,29 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, Q, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(B, Q, self.num_kv_heads, self.head_dim)
         # Write the new keys/values, then read the whole context through the block table.
-        k_cache.index_copy_(0, batch.write_slots, k.reshape(B * Q, *k.shape[2:])[batch.write_rows])
-        v_cache.index_copy_(0, batch.write_slots, v.reshape(B * Q, *v.shape[2:])[batch.write_rows])
-        keys = k_cache[batch.gather_slots].transpose(1, 2)  # [B, kvH, C, D]
-        values = v_cache[batch.gather_slots].transpose(1, 2)
+        k_cache.index_copy_(0, batch.write_slots, real_tokens(k, batch.write_rows))
+        v_cache.index_copy_(0, batch.write_slots, real_tokens(v, batch.write_rows))
+        keys = read_context(k_cache, batch.gather_slots)  # [B, kvH, C, D]
+        values = read_context(v_cache, batch.gather_slots)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window),
+            q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window, q.dtype),
             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+def real_tokens(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """[B, Q, kvH, D] -> [N, kvH, D]: the tokens that are not padding (all when rows is None)."""
+    flat = x.reshape(-1, *x.shape[2:])
+    return flat if rows is None else flat.index_select(0, rows)
+
+
+def read_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[slots, kvH, D] cache, [B, C] slots -> [B, kvH, C, D].
+
+    index_select, not cache[slots]: on the CPU it copies rows several times faster.
+    """
+    B, C = slots.shape
+    return cache.index_select(0, slots.reshape(-1)).view(B, C, *cache.shape[1:]).transpose(1, 2)
 
 
 class MLP(nn.Module):
