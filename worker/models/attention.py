@@ -86,5 +86,5 @@ def build_paged_batch(token_rows: list[list[int]], start_positions: list[int],
     return PagedBatch(
         input_ids=input_ids.to(device), positions=positions, write_rows=write_rows,
         write_slots=write_slots if write_rows is None else write_slots[write_rows],
-        gather_slots=tables.slots[:, :context], context_lens=(starts + lens).to(device),
+        gather_slots=tables.slots[:, :context].contiguous(), context_lens=(starts + lens).to(device),
         logits_index=logits_index.to(device))
