@@ -197,7 +197,7 @@ class LLMEngine:
     def _decode_speculative(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[int], list]:
         B, dev = len(seqs), self.device.torch_device
         lens = [len(s) for s in seqs]
-        tables = [s.block_table for s in seqs]
+        tables = self.runner.block_tables([s.block_table for s in seqs])
         rp = self._rows(seqs)
         # Propose: k draft steps; the first also catches up on tokens the draft has not seen
         # (the bonus token, and every token of the plain steps since the last proposal).

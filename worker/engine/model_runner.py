@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.models.attention import build_paged_batch
+from worker.models.attention import BlockTables, build_paged_batch
 from worker.models.llama import CausalLM
 
 
@@ -32,9 +32,13 @@ class ModelRunner:
             dtype = next(model.parameters()).dtype
             self.kv[name] = torch.zeros(model.kv_cache_shape(num_slots), dtype=dtype, device=self.device)
 
+    def block_tables(self, tables: list[list[int]]) -> BlockTables:
+        """Tables as tensors, once per step: its draft and target forwards share them."""
+        return BlockTables.build(tables, self.block_size, self.device)
+
     @torch.inference_mode()
     def forward(self, name: str, token_rows: list[list[int]], starts: list[int],
-                block_tables: list[list[int]], num_logits: int,
+                block_tables: list[list[int]] | BlockTables, num_logits: int,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, num_logits, V] at the last positions of each row.
 

@@ -7,6 +7,25 @@ import torch
 
 
 @dataclass
+class BlockTables:
+    """The rows' block tables as tensors, built once per engine step for its draft and target forwards."""
+
+    slots: torch.Tensor  # [B, M * block_size] cache slot of every position the tables cover
+
+    @classmethod
+    def build(cls, tables: list[list[int]], block_size: int, device: torch.device) -> BlockTables:
+        # Short rows are padded with block 0: positions past a row's context are masked or never written.
+        M = max(len(t) for t in tables)
+        blocks = torch.tensor([t + [0] * (M - len(t)) for t in tables], dtype=torch.long)
+        slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+        return cls(slots.to(device))
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, P] positions -> [B, P] cache slots."""
+        return self.slots.gather(1, positions)
+
+
+@dataclass
 class PagedBatch:
     """One forward over B rows of up to Q new tokens each, reading C context slots per row.
 
@@ -16,55 +35,56 @@ class PagedBatch:
 
     input_ids: torch.Tensor  # [B, Q]
     positions: torch.Tensor  # [B, Q]
-    write_rows: torch.Tensor  # [N] indices into the flattened [B*Q] tokens that are real
+    write_rows: torch.Tensor | None  # [N] indices into the flattened [B*Q] tokens that are real; None: all are
     write_slots: torch.Tensor  # [N] cache slots those tokens fill
     gather_slots: torch.Tensor  # [B, C] cache slot of context position c of row b
     context_lens: torch.Tensor  # [B]
     logits_index: torch.Tensor  # [B, n] query positions whose logits are wanted
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[B, 1, Q, C] True where query q may attend context position c."""
+    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, Q, C] additive mask, 0 where query q may attend context position c, else -inf.
+
+        Built once per forward: a boolean mask would be converted again by every layer's attention.
+        """
         cache = getattr(self, "_masks", None)
         if cache is None:
             cache = self._masks = {}
-        if sliding_window not in cache:
+        key = (sliding_window, dtype)
+        if key not in cache:
             col = torch.arange(self.gather_slots.shape[1], device=self.positions.device)
             pos = self.positions[:, :, None]
             allowed = (col <= pos) & (col < self.context_lens[:, None, None])
             if sliding_window is not None:
                 allowed &= col > pos - sliding_window
-            cache[sliding_window] = allowed[:, None]
-        return cache[sliding_window]
+            blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            cache[key] = blocked.masked_fill_(~allowed, float("-inf"))[:, None]
+        return cache[key]
 
 
 def build_paged_batch(token_rows: list[list[int]], start_positions: list[int],
-                      block_tables: list[list[int]], block_size: int, num_logits: int,
+                      block_tables: list[list[int]] | BlockTables, block_size: int, num_logits: int,
                       device: torch.device) -> PagedBatch:
     """Lay out rows of new tokens (row b starts at position start_positions[b])."""
-    B = len(token_rows)
+    tables = block_tables if isinstance(block_tables, BlockTables) else \
+        BlockTables.build(block_tables, block_size, device)
     q_lens = [len(r) for r in token_rows]
-    Q = max(q_lens)
-    ctx = [s + n for s, n in zip(start_positions, q_lens)]
-    input_ids = torch.zeros(B, Q, dtype=torch.long)
-    positions = torch.zeros(B, Q, dtype=torch.long)
-    rows, slots = [], []
-    for b, (tokens, start, table) in enumerate(zip(token_rows, start_positions, block_tables)):
-        n = len(tokens)
-        input_ids[b, :n] = torch.tensor(tokens)
-        positions[b, :n] = torch.arange(start, start + n)
-        rows.extend(range(b * Q, b * Q + n))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-    max_blocks = max(len(t) for t in block_tables)
-    tables = torch.zeros(B, max_blocks, dtype=torch.long)
-    for b, table in enumerate(block_tables):
-        tables[b, :len(table)] = torch.tensor(table, dtype=torch.long)
-    col = torch.arange(max(ctx))
-    gather = tables[:, col // block_size] * block_size + col % block_size
-    q_len_t = torch.tensor(q_lens)
-    logits_index = (q_len_t[:, None] - num_logits + torch.arange(num_logits)).clamp(min=0)
+    Q, context = max(q_lens), max(s + n for s, n in zip(start_positions, q_lens))
+    if context > tables.slots.shape[1]:
+        raise ValueError(f"the block tables cover {tables.slots.shape[1]} positions, the rows reach {context}")
+    input_ids = torch.tensor([r + [0] * (Q - len(r)) for r in token_rows], dtype=torch.long)
+    starts, lens = torch.tensor(start_positions), torch.tensor(q_lens)
+    q = torch.arange(Q)
+    positions = starts[:, None] + q
+    write_rows = None
+    if min(q_lens) < Q:  # padded rows: their queries sit at position 0 and write nothing
+        real = q < lens[:, None]
+        positions *= real
+        write_rows = real.flatten().nonzero()[:, 0].to(device)
+    positions = positions.to(device)
+    write_slots = tables.at(positions).flatten()
+    logits_index = (lens[:, None] - num_logits + torch.arange(num_logits)).clamp(min=0)
     return PagedBatch(
-        input_ids=input_ids.to(device), positions=positions.to(device),
-        write_rows=torch.tensor(rows, dtype=torch.long, device=device),
-        write_slots=torch.tensor(slots, dtype=torch.long, device=device),
-        gather_slots=gather.to(device), context_lens=torch.tensor(ctx, device=device),
+        input_ids=input_ids.to(device), positions=positions, write_rows=write_rows,
+        write_slots=write_slots if write_rows is None else write_slots[write_rows],
+        gather_slots=tables.slots[:, :context].contiguous(), context_lens=(starts + lens).to(device),
         logits_index=logits_index.to(device))

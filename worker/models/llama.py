@@ -78,6 +78,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.window = arch.windows[layer]
+        self.layer = layer
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=arch.qkv_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
@@ -88,7 +89,7 @@ class Attention(nn.Module):
         """One matmul for q, k and v: small batches pay per call, not per FLOP."""
         return fuse_linears(self, "qkv", ("q_proj", "k_proj", "v_proj"))
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch: PagedBatch):
+    def forward(self, x, cos, sin, kv_cache, batch: PagedBatch):
         B, Q, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], -1)
@@ -96,14 +97,38 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, Q, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(B, Q, self.num_kv_heads, self.head_dim)
         # Write the new keys/values, then read the whole context through the block table.
-        k_cache.index_copy_(0, batch.write_slots, k.reshape(B * Q, *k.shape[2:])[batch.write_rows])
-        v_cache.index_copy_(0, batch.write_slots, v.reshape(B * Q, *v.shape[2:])[batch.write_rows])
-        keys = k_cache[batch.gather_slots].transpose(1, 2)  # [B, kvH, C, D]
-        values = v_cache[batch.gather_slots].transpose(1, 2)
+        write_kv(kv_cache, self.layer, batch.write_slots,
+                 real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
+        keys = read_context(kv_cache[0, self.layer], batch.gather_slots)  # [B, kvH, C, D]
+        values = read_context(kv_cache[1, self.layer], batch.gather_slots)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window),
+            q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window, q.dtype),
             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+def write_kv(kv_cache: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store one layer's new keys and values [N, kvH, D] at their slots.
+
+    One function that mutates the whole cache: bench/compile_forward.py makes it an opaque op.
+    """
+    kv_cache[0, layer].index_copy_(0, slots, k)
+    kv_cache[1, layer].index_copy_(0, slots, v)
+
+
+def real_tokens(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """[B, Q, kvH, D] -> [N, kvH, D]: the tokens that are not padding (all when rows is None)."""
+    flat = x.reshape(-1, *x.shape[2:])
+    return flat if rows is None else flat.index_select(0, rows)
+
+
+def read_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[slots, kvH, D] cache, [B, C] slots -> [B, kvH, C, D].
+
+    index_select, not cache[slots]: on the CPU it copies rows several times faster.
+    """
+    B, C = slots.shape
+    return cache.index_select(0, slots.reshape(-1)).view(B, C, *cache.shape[1:]).transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -132,8 +157,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, arch)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+    def forward(self, x, cos, sin, kv_cache, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -182,8 +207,8 @@ class CausalLM(nn.Module):
         """Logits [B, n, V] at batch.logits_index (n may be 0: fill the cache only)."""
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, batch)
         if batch.logits_index.shape[1] == 0:
             return x.new_empty(x.shape[0], 0, self.config.vocab_size)
         picked = x.gather(1, batch.logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
