@@ -5,8 +5,8 @@ serve` and our worker, on the shipped pair, one server at a time, in one run.
                           [--prompt-tokens 32] [--output-tokens 128] [--no-build-vllm] [--observing]
 
 Servers: vLLM plain and with our draft (k=4, `--speculative-config`), `transformers serve` in both of
-its modes (the table keeps the better one per concurrency), ours plain and with the draft (adaptive
-k up to 4, and fixed k=4: `ours-draft-fixed`).
+its modes (the table keeps the better one per concurrency), ours plain and with the draft (k=4, and
+adaptive k up to 4: `ours-draft-adaptive`).
 Each is started, warmed up with two requests, driven by one guidellm run that goes through every
 concurrency (concurrent streams, synthetic prompts, chat completions, temperature 1.0, `ignore_eos`
 so every request makes the same number of tokens), and stopped before the next one starts.
@@ -45,10 +45,10 @@ from local_stack import free_port  # noqa: E402
 from vllm_peer import STARTUP_TIMEOUT, vllm_command, vllm_python  # noqa: E402
 
 ASSETS = ROOT / "worker" / "assets"
-SERVERS = ("vllm", "vllm-draft", "transformers", "transformers-cb", "ours", "ours-draft", "ours-draft-fixed")
+SERVERS = ("vllm", "vllm-draft", "transformers", "transformers-cb", "ours", "ours-draft", "ours-draft-adaptive")
 LABELS = {"vllm": "vLLM plain", "vllm-draft": "vLLM with our draft, k=4",
-          "transformers": "transformers serve", "ours": "ours plain", "ours-draft": "ours with the draft, adaptive k <= 4",
-          "ours-draft-fixed": "ours with the draft, fixed k=4"}
+          "transformers": "transformers serve", "ours": "ours plain", "ours-draft": "ours with the draft, k=4",
+          "ours-draft-adaptive": "ours with the draft, adaptive k <= 4"}
 ACCEPTANCE_METRICS = {  # (accepted, proposed) counters in each server's /metrics
     "vllm": ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
     "ours": ("vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_draft_tokens_total"),
@@ -125,12 +125,12 @@ def build_servers(args, port_for) -> dict[str, Server | str]:
             out[name] = transformers_server(name, args, port)
         else:
             out[name] = our_server(name, args, port, draft=name.startswith("ours-draft"),
-                                   speculation="fixed" if name == "ours-draft-fixed" else "adaptive")
+                                   speculation="adaptive" if name == "ours-draft-adaptive" else "fixed")
     return out
 
 
 def our_server(name: str, args, port: int, draft: bool, env: dict | None = None,
-               speculation: str = "adaptive") -> Server:
+               speculation: str = "fixed") -> Server:
     command = [sys.executable, "-m", "worker", "serve", "--model", args.model, "--device", "cpu",
                "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "2048",
                "--log-level", "warning", "--port", str(port)]
@@ -332,7 +332,7 @@ def print_report(results: dict, observing, args) -> None:
     if best is not None:
         table["transformers"] = best
         order.append("transformers")
-    order += [n for n in ("ours", "ours-draft", "ours-draft-fixed") if n in table]
+    order += [n for n in ("ours", "ours-draft", "ours-draft-adaptive") if n in table]
     cs = list(args.concurrency)
     print(f"\nguidellm {guidellm_version()}: chat completions, synthetic {args.prompt_tokens}-token prompts, "
           f"{args.output_tokens} output tokens (ignore_eos), temperature 1.0, float32, CPU; "

@@ -39,7 +39,7 @@ def row(batch: int, args) -> dict[str, list[float]]:
     params = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     modes = {"plain": {"draft_model": None}, "fixed": {"speculation": "fixed", "num_speculative_tokens": args.k},
-             "adaptive": {"num_speculative_tokens": args.adaptive_k or args.k}}
+             "adaptive": {"speculation": "adaptive", "num_speculative_tokens": args.adaptive_k or args.k}}
     engines = {m: LLMEngine(EngineConfig(max_num_seqs=batch, max_model_len=512, **kw)) for m, kw in modes.items()}
     for engine in engines.values():
         engine.generate(prompts, params)  # warm-up
