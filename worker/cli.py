@@ -98,7 +98,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_profile(args: argparse.Namespace) -> int:
     import json
-
     from functools import partial
 
     from worker.engine.llm_engine import LLMEngine
