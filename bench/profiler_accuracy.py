@@ -198,7 +198,8 @@ def main() -> None:
         print("RESULT " + json.dumps(engine_run(args)), flush=True)
         return
     argv = [a for a in sys.argv[1:] if a not in ("--http",)]
-    argv = strip_option(strip_option(strip_option(argv, "--runs"), "--requests"), "--max-waiting")
+    for name in ("--runs", "--requests", "--max-waiting"):  # this script's own, not the engine's
+        argv = strip_option(argv, name)
     args.requests = args.requests or 3 * args.max_num_seqs
     if args.max_waiting is None:  # a full KV cache runs fewer than max_num_seqs: all may wait
         args.max_waiting = args.requests

@@ -78,11 +78,17 @@ def test_selfcheck_passes_on_the_cpu_and_leaves_no_process(tmp_path):
     assert blocks["values"]["draft_weights_bytes"] > 4 * MiB  # the shipped draft, read from its checkpoint
 
 
-def test_a_worker_holding_memory_outside_its_ledger_fails_scenario_1(tmp_path):
-    ctx = cpu_context(tmp_path, HoldingLauncher(mib=64))
-    result = ScenarioResult(1, scenario_ledger.TITLE)
+def run_scenario(tmp_path, launcher, number: int, scenario):
+    """One scenario on the CPU with the given worker launcher; its result and context."""
+    ctx = cpu_context(tmp_path, launcher)
+    result = ScenarioResult(number, scenario.TITLE)
     with ctx.procs:
-        selfcheck_run.attempt(ctx, result, lambda: scenario_ledger.run(ctx, result))
+        selfcheck_run.attempt(ctx, result, lambda: scenario.run(ctx, result))
+    return result, ctx
+
+
+def test_a_worker_holding_memory_outside_its_ledger_fails_scenario_1(tmp_path):
+    result, ctx = run_scenario(tmp_path, HoldingLauncher(mib=64), 1, scenario_ledger)
     assert result.status == FAIL, format_table([result])
     got = checks(result)
     assert got["device view at idle"] == FAIL and got["device view at peak"] == FAIL
@@ -92,10 +98,7 @@ def test_a_worker_holding_memory_outside_its_ledger_fails_scenario_1(tmp_path):
 
 
 def test_a_plan_that_leaves_the_draft_out_fails_scenario_2(tmp_path):
-    ctx = cpu_context(tmp_path, DraftLeftOutLauncher())
-    result = ScenarioResult(2, scenario_draft.TITLE)
-    with ctx.procs:
-        selfcheck_run.attempt(ctx, result, lambda: scenario_draft.run(ctx, result))
+    result, ctx = run_scenario(tmp_path, DraftLeftOutLauncher(), 2, scenario_draft)
     assert result.status == FAIL, format_table([result])
     got = checks(result)
     assert got["same budget"] == PASS and got["draft weights in the ledger"] == PASS

@@ -64,7 +64,7 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
     verify(torch.stack(drafts, 1), torch.stack(draft_probs, 1), p, rp)
 
 
-VARIED_ROUNDS = 3  # measured: the peak stops rising after two or three rounds
+VARIED_ROUNDS = 3  # with one round the real peak passed the budget by up to 0.5% (docs/ledger.md)
 VARIED_SHAPES = ((1, 2), (3, 4), (1, 4))  # (numerator, denominator) of the longest context and batch
 
 
