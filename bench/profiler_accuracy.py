@@ -9,6 +9,7 @@ Each run is a fresh process; --runs N prints min / median / max.
 Targets: measured peak <= budget in every run; median KV cache share of
 (budget - measured non-KV peak) >= 0.95.
   python bench/profiler_accuracy.py [--runs 20] [--max-model-len 512] [--max-num-seqs 8] [engine flags]
+  python bench/profiler_accuracy.py --goals --max-model-len 256 --max-num-seqs 16   # both goals
   python bench/profiler_accuracy.py --http [--runs 5] [--requests 32] [--kv-cache-memory 16MiB] [engine flags]
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from worker.cli import add_engine_flags, add_waiting_flag, engine_config
 
 MiB = 1 << 20
 KV_SHARE_TARGET = 0.95
+GOAL_ENGINE_RUNS, GOAL_HTTP_RUNS, GOAL_HTTP_KV = 20, 5, "20MiB"
 
 
 def kv_share(kv: int, budget: int, peak: int) -> float:
@@ -159,7 +161,7 @@ def print_run(i: int, r: dict) -> None:
           + (f", {r['failed']} failed requests" if r.get("failed") else ""), flush=True)
 
 
-def print_summary(runs: list[dict], mode: str) -> None:
+def print_summary(runs: list[dict], mode: str) -> bool:
     ratios = [r["peak"] / r["budget"] for r in runs]
     shares = [kv_share(r["kv"], r["budget"], r["peak"]) for r in runs]
     overruns = sum(r["peak"] > r["budget"] for r in runs)
@@ -177,9 +179,10 @@ def print_summary(runs: list[dict], mode: str) -> None:
     if mode == "HTTP":  # the KV cache is set smaller than the load on purpose: only overruns count
         if not all(r["preemptions"] for r in runs):
             print("WARNING: some runs had no preemption: lower --kv-cache-memory or raise --requests")
-        return
+        return overruns == 0
     print(f"median KV share {median_share:.3f} (target >= {KV_SHARE_TARGET}): "
           f"{'PASS' if median_share >= KV_SHARE_TARGET else 'FAIL'}")
+    return overruns == 0 and median_share >= KV_SHARE_TARGET
 
 
 def main() -> None:
@@ -192,20 +195,34 @@ def main() -> None:
                     help="HTTP mode: concurrent requests (default 3 x max_num_seqs)")
     add_waiting_flag(ap)
     ap.set_defaults(max_waiting=None)  # HTTP mode: every request may wait (none refused)
+    ap.add_argument("--goals", action="store_true",
+                    help=f"issue 10's goals: {GOAL_ENGINE_RUNS} engine runs, then {GOAL_HTTP_RUNS} HTTP runs "
+                         f"(--kv-cache-memory {GOAL_HTTP_KV} unless given)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one run, JSON out
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(engine_run(args)), flush=True)
         return
-    argv = [a for a in sys.argv[1:] if a not in ("--http",)]
+    argv = [a for a in sys.argv[1:] if a not in ("--http", "--goals")]
     for name in ("--runs", "--requests", "--max-waiting"):  # this script's own, not the engine's
         argv = strip_option(argv, name)
     args.requests = args.requests or 3 * args.max_num_seqs
     if args.max_waiting is None:  # a full KV cache runs fewer than max_num_seqs: all may wait
         args.max_waiting = args.requests
-    runs = []
-    for i in range(1, args.runs + 1):
-        if args.http:
+    if not args.goals:
+        sys.exit(0 if run_mode(args, argv, args.http, args.runs) else 1)
+    # Issue 10's two goals from one command: the engine's own budget, then a small KV cache under HTTP.
+    engine_ok = run_mode(args, argv, http=False, runs=GOAL_ENGINE_RUNS)
+    http_argv = argv if args.kv_cache_memory else [*argv, "--kv-cache-memory", GOAL_HTTP_KV]
+    http_ok = run_mode(args, http_argv, http=True, runs=GOAL_HTTP_RUNS)
+    print(f"\ngoals: engine {'PASS' if engine_ok else 'FAIL'}, HTTP {'PASS' if http_ok else 'FAIL'}")
+    sys.exit(0 if engine_ok and http_ok else 1)
+
+
+def run_mode(args, argv: list[str], http: bool, runs: int) -> bool:
+    results = []
+    for i in range(1, runs + 1):
+        if http:
             result = http_run(args, [*with_lengths(argv, args), "--max-waiting", str(args.max_waiting)])
         else:
             child = subprocess.run([sys.executable, __file__, "--one", *argv], capture_output=True, text=True)
@@ -213,9 +230,9 @@ def main() -> None:
             if child.returncode != 0 or not lines:
                 sys.exit(f"run {i} failed:\n{child.stderr[-3000:]}")
             result = json.loads(lines[-1][len("RESULT "):])
-        runs.append(result)
+        results.append(result)
         print_run(i, result)
-    print_summary(runs, "HTTP" if args.http else "engine")
+    return print_summary(results, "HTTP" if http else "engine")
 
 
 def strip_option(argv: list[str], name: str) -> list[str]:

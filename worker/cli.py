@@ -30,6 +30,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch threads on the CPU (default: OMP_NUM_THREADS if set, else all cores but one, "
+                        "which the server and its clients use)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -46,7 +49,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, dtype=args.dtype,
         memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size)
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        cpu_threads=args.cpu_threads)
 
 
 def build_parser() -> argparse.ArgumentParser:

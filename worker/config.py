@@ -28,6 +28,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; overrides memory_utilization
     num_kv_blocks: int | None = None  # fixed block count, skips the memory plan (tests, benchmarks)
     seed: int = 0
+    cpu_threads: int | None = None  # torch threads on the CPU; None: OMP_NUM_THREADS, else all cores but one
 
     def __post_init__(self):
         if self.draft_model is None or self.num_speculative_tokens == 0:
@@ -46,6 +47,7 @@ class EngineConfig:
                    "memory_utilization must be in (0, 1]")
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
 
     def resolve_lengths(self, model_max_positions: int) -> None:
         """Fill max_model_len and max_num_batched_tokens once the model's limit is known."""
