@@ -1,10 +1,14 @@
-"""Packed oneDNN weights against F.linear, over the shipped target's decoder projections (issue 14).
+"""oneDNN-packed weights against F.linear on the CPU, in speed and in memory (issue 14; not shipped).
 
-    python bench/packed_linear.py [--rows 1,5,16,80] [--repeats 7] [--threads 1]
+    python bench/packed_linear.py [--rows 1,5,16,80] [--repeats 7] [--shapes 64]
 
-One "pass" runs every projection of every layer once, as a forward does (the weights stream from
-memory, not from a warm L1). Passes alternate between the two layouts; prints min/median/max
-microseconds per pass and the ratio of medians, and the largest difference of the outputs.
+Speed: one "pass" runs every decoder projection of the shipped target once, as a forward does;
+passes alternate between plain weights and weights packed with torch.ops.mkldnn; prints
+min/median/max microseconds per pass and the ratio of medians.
+Memory: oneDNN builds and caches a primitive for every (weight shape, row count) it meets; the
+process RSS is read after --shapes distinct row counts through one packed and one plain weight.
+A server meets a new row count with almost every prompt length, so this growth has no bound the
+profile run could measure: the reason the worker does not pack (README, issue 14).
 """
 from __future__ import annotations
 
@@ -12,45 +16,69 @@ import argparse
 import statistics
 import time
 
+import psutil
 import torch
 import torch.nn.functional as F
 
 from worker.config import DEFAULT_MODEL
 from worker.models.loader import load_model
-from worker.models.packed_linear import linear, plain
+
+PACK_BATCH_HINT = 32  # the row count the packing is tuned for (vLLM's choice)
+
+
+def packed_linear(x, weight):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def speed(dense: list[torch.Tensor], packed: list[torch.Tensor], rows: int, repeats: int) -> None:
+    inputs = {n: torch.randn(rows, n) for n in {w.shape[1] for w in dense}}
+    passes = {"plain": lambda: [F.linear(inputs[w.shape[1]], w) for w in dense],
+              "packed": lambda: [packed_linear(inputs[w.shape[1]], w) for w in packed]}
+    diff = max((a - b).abs().max().item() for a, b in zip(passes["plain"](), passes["packed"]()))
+    times = {name: [] for name in passes}
+    for _ in range(repeats):
+        for name, run in passes.items():
+            start = time.perf_counter()
+            for _ in range(20):
+                run()
+            times[name].append((time.perf_counter() - start) / 20 * 1e6)
+    spread = {n: f"{min(t):6.0f} {statistics.median(t):6.0f} {max(t):6.0f}" for n, t in times.items()}
+    ratio = statistics.median(times["plain"]) / statistics.median(times["packed"])
+    print(f"{rows:3} rows: plain {spread['plain']} us | packed {spread['packed']} us | "
+          f"plain/packed {ratio:.2f}x | max diff {diff:.1e}", flush=True)
+
+
+def growth(weight: torch.Tensor, shapes: int, linear) -> float:
+    """MiB the process grows by while `linear` meets `shapes` distinct row counts."""
+    process = psutil.Process()
+    before = process.memory_info().rss
+    for rows in range(1, shapes + 1):
+        linear(torch.randn(rows, weight.shape[1]), weight)
+    return (process.memory_info().rss - before) / 2**20
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,5,16,80")
     ap.add_argument("--repeats", type=int, default=7, help="timed blocks of 20 passes per layout")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--shapes", type=int, default=64, help="distinct row counts for the memory figure")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
+    if not torch.backends.mkldnn.is_available():
+        raise SystemExit("torch was built without oneDNN")
     model = load_model(DEFAULT_MODEL, torch.float32, torch.device("cpu"))
-    packed = [w for layer in model.model.layers for w in (
+    dense = [w.detach() for layer in model.model.layers for w in (
         layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
         layer.mlp.down_proj.weight)]
-    if not all(w.is_mkldnn for w in packed):
-        raise SystemExit("the loader did not pack the weights (torch without oneDNN?)")
-    dense = [plain(w).contiguous() for w in packed]
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {len(packed)} projections per pass")
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in dense]
+    print(f"torch {torch.__version__}, 1 thread, {len(dense)} projections per pass")
     for rows in map(int, args.rows.split(",")):
-        inputs = {n: torch.randn(rows, n) for n in {w.shape[1] for w in dense}}
-        passes = {"plain": lambda: [F.linear(inputs[w.shape[1]], w) for w in dense],
-                  "packed": lambda: [linear(inputs[w.shape[1]], w) for w in packed]}
-        diff = max((a - b).abs().max().item() for a, b in zip(passes["plain"](), passes["packed"]()))
-        times = {name: [] for name in passes}
-        for _ in range(args.repeats):
-            for name, run in passes.items():
-                start = time.perf_counter()
-                for _ in range(20):
-                    run()
-                times[name].append((time.perf_counter() - start) / 20 * 1e6)
-        spread = {n: f"{min(t):7.0f} {statistics.median(t):7.0f} {max(t):7.0f}" for n, t in times.items()}
-        ratio = statistics.median(times["plain"]) / statistics.median(times["packed"])
-        print(f"{rows:3} rows: plain {spread['plain']} us | packed {spread['packed']} us | "
-              f"plain/packed {ratio:.2f}x | max diff {diff:.1e}", flush=True)
+        speed(dense, packed, rows, args.repeats)
+    big = torch.randn(4096, 4096)
+    plain_mib = growth(big, args.shapes, F.linear)
+    packed_mib = growth(torch.ops.mkldnn._reorder_linear_weight(big, PACK_BATCH_HINT), args.shapes, packed_linear)
+    print(f"memory: {args.shapes} row counts through a 4096x4096 weight: RSS +{plain_mib:.1f} MiB plain, "
+          f"+{packed_mib:.1f} MiB packed ({packed_mib / args.shapes:.2f} MiB per row count and weight shape)")
 
 
 if __name__ == "__main__":

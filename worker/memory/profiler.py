@@ -58,9 +58,6 @@ def module_tensor_bytes(module: torch.nn.Module) -> int:
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_meta:
             continue
-        if tensor.is_mkldnn:  # packed weights (packed_linear.py): opaque, no storage to share
-            storages[(tensor.device, id(tensor))] = tensor.numel() * tensor.element_size()
-            continue
         storage = tensor.untyped_storage()
         storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())

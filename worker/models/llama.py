@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.models.attention import PagedBatch
-from worker.models.packed_linear import linear, pack, packable
 from worker.models.rope import RotaryEmbedding, apply_rope
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -93,7 +92,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, batch: PagedBatch):
         B, Q, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], -1)
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], -1)
         q = apply_rope(q.view(B, Q, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(B, Q, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(B, Q, self.num_kv_heads, self.head_dim)
@@ -105,7 +104,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window, q.dtype),
             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, Q, D]
-        return linear(out.transpose(1, 2).reshape(B, Q, -1), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 
 def write_kv(kv_cache: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -146,8 +145,8 @@ class MLP(nn.Module):
         return fuse_linears(self, "gate_up", ("gate_proj", "up_proj"))
 
     def forward(self, x):
-        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
-        return linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -199,16 +198,6 @@ class CausalLM(nn.Module):
                 fused = module.fuse().items()
                 layout.update({prefix + src: (prefix + dst, a, b) for src, (dst, a, b) in fused})
         return layout
-
-    def pack_linears(self) -> None:
-        """The decoder's projection weights, packed for the CPU's matmuls (packed_linear.py), one at a
-        time: each plain weight is freed as its packed copy is made."""
-        for layer in self.model.layers:
-            for module, name in ((layer.self_attn, "qkv_weight"), (layer.self_attn.o_proj, "weight"),
-                                 (layer.mlp, "gate_up_weight"), (layer.mlp.down_proj, "weight")):
-                weight = getattr(module, name)
-                if packable(weight):
-                    setattr(module, name, nn.Parameter(pack(weight), requires_grad=False))
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """[k/v, layers, slots, kv heads, head dim]: one tensor holds the whole cache."""

@@ -150,7 +150,6 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
         raise ModelLoadError(f"{path}: checkpoint does not match {config.architectures[0]}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.rotary.to(device)  # computed, not loaded
-    model.pack_linears()  # on the CPU only: a no-op elsewhere
     return model.eval().requires_grad_(False)
 
 
