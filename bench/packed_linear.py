@@ -13,12 +13,11 @@ profile run could measure: the reason the worker does not pack (README, issue 14
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import psutil
 import torch
 import torch.nn.functional as F
+from alternating import alternate, ratio, spread
 
 from worker.config import DEFAULT_MODEL
 from worker.models.loader import load_model
@@ -35,17 +34,9 @@ def speed(dense: list[torch.Tensor], packed: list[torch.Tensor], rows: int, repe
     passes = {"plain": lambda: [F.linear(inputs[w.shape[1]], w) for w in dense],
               "packed": lambda: [packed_linear(inputs[w.shape[1]], w) for w in packed]}
     diff = max((a - b).abs().max().item() for a, b in zip(passes["plain"](), passes["packed"]()))
-    times = {name: [] for name in passes}
-    for _ in range(repeats):
-        for name, run in passes.items():
-            start = time.perf_counter()
-            for _ in range(20):
-                run()
-            times[name].append((time.perf_counter() - start) / 20 * 1e6)
-    spread = {n: f"{min(t):6.0f} {statistics.median(t):6.0f} {max(t):6.0f}" for n, t in times.items()}
-    ratio = statistics.median(times["plain"]) / statistics.median(times["packed"])
-    print(f"{rows:3} rows: plain {spread['plain']} us | packed {spread['packed']} us | "
-          f"plain/packed {ratio:.2f}x | max diff {diff:.1e}", flush=True)
+    times = alternate(passes, repeats, calls=20)
+    print(f"{rows:3} rows: plain {spread(times['plain'])} us | packed {spread(times['packed'])} us | "
+          f"plain/packed {ratio(times['plain'], times['packed']):.2f}x | max diff {diff:.1e}", flush=True)
 
 
 def growth(weight: torch.Tensor, shapes: int, linear) -> float:

@@ -2,7 +2,7 @@
 import torch
 
 from worker.engine.penalties import History
-from worker.engine.sampler import RowParams, exponential_noise, probabilities, sample
+from worker.engine.sampler import RowParams, inverse_cdf, probabilities, row_draws, sample
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.spec_decode import verify
 
@@ -25,7 +25,7 @@ def frequencies(tokens):
 def run_verify(p, q, seed):
     torch.manual_seed(seed)
     rows = RowParams([SamplingParams(temperature=1.0)] * N, [None] * N, torch.device("cpu"))
-    draft = (q.expand(N, V) / exponential_noise(V, N, [None] * N, torch.device("cpu"))).argmax(-1)
+    draft = sample(q.expand(N, V).contiguous(), rows)
     return draft, *verify(draft[:, None], q.expand(N, 1, V), p.expand(N, 2, V), rows)
 
 
@@ -89,3 +89,25 @@ def test_penalised_target_and_draft_keep_rejection_sampling_exact():
     p1 = one.adjust(target_logits[1:], torch.tensor([[x]])).softmax(-1)[0]
     assert p1[0] > 0 and (p1 - one.adjust(target_logits[1:]).softmax(-1)[0]).abs().max() > 5 * BOUND
     assert (frequencies(bonus) - p1).abs().max() < 5 * (0.25 / len(bonus)) ** 0.5
+
+
+def test_seeded_rows_draw_from_their_own_generator_the_others_in_one_call():
+    cpu, seeded = torch.device("cpu"), SamplingParams(temperature=1.0, seed=7)
+    gen = lambda seed: torch.Generator().manual_seed(seed)  # noqa: E731
+    uniform = lambda t, g: t.uniform_(generator=g)  # noqa: E731
+    mixed = RowParams([seeded, SamplingParams(temperature=1.0)] * 2, [gen(7), None, gen(7), None], cpu,
+                      shared=gen(0))
+    out = row_draws((5,), mixed, cpu, uniform)
+    own = torch.empty(5).uniform_(generator=gen(7))
+    assert torch.equal(out[0], own) and torch.equal(out[2], own)  # its own stream, whatever the batch
+    alone = row_draws((5,), RowParams([seeded], [gen(7)], cpu, shared=gen(1)), cpu, uniform)
+    assert torch.equal(alone[0], own)
+    batched = torch.empty(4, 5).uniform_(generator=gen(0))  # the unseeded rows: one draw for all rows
+    assert torch.equal(out[1], batched[1]) and torch.equal(out[3], batched[3])
+
+
+def test_inverse_cdf_never_draws_a_zero_weight_even_at_the_edges():
+    weights = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.75, 0.0]] * 4 + [[0.0, 3.0, 0.0, 1.0, 0.0, 0.0]])
+    edge = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))  # the largest float below 1
+    u = torch.tensor([[0.0], [0.2499], [0.25], [edge], [edge]])
+    assert inverse_cdf(weights, u).tolist() == [1, 1, 4, 4, 3]  # unnormalized rows scale u by their sum

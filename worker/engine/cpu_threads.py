@@ -22,7 +22,8 @@ def compute_threads(requested: int | None, environ: dict, cores: int) -> int | N
 
 def set_cpu_threads(requested: int | None) -> int:
     """Apply compute_threads to this process; returns the count torch now uses."""
-    threads = compute_threads(requested, os.environ, len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = compute_threads(requested, os.environ, cores)
     if threads is not None:
         torch.set_num_threads(threads)
     return torch.get_num_threads()

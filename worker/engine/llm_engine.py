@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable
 
@@ -83,7 +82,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._text: dict[str, IncrementalText] = {}
         self._generators: dict[str, torch.Generator] = {}
-        self._rng = random.Random(config.seed)
+        self._shared_generator = torch.Generator(self.device.torch_device).manual_seed(config.seed)
         self._ids = itertools.count()
 
     def _load(self, role: str, path: str, bar) -> CausalLM:
@@ -111,8 +110,8 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self._generators[request_id] = torch.Generator(self.device.torch_device).manual_seed(seed)
+        if params.seed is not None:  # its own generator: its draws do not depend on its batch
+            self._generators[request_id] = torch.Generator(self.device.torch_device).manual_seed(params.seed)
         self._text[request_id] = IncrementalText(self.tokenizer, params.stop)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -153,8 +152,8 @@ class LLMEngine:
         params, outputs = [s.params for s in seqs], [s.output_token_ids for s in seqs]
         history = History(params, [s.prompt_token_ids for s in seqs], outputs, self.eos_token_ids,
                           self.vocab_size, self.device.torch_device) if History.needed(params, outputs) else None
-        return RowParams(params, [self._generators[s.request_id] for s in seqs], self.device.torch_device,
-                         history)
+        return RowParams(params, [self._generators.get(s.request_id) for s in seqs], self.device.torch_device,
+                         history, self._shared_generator)
 
     def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> list:
         """Per row, the target's log-probabilities of tokens [B, P] under logits [B, P, V] (None: not asked)."""

@@ -11,7 +11,9 @@ class RowParams:
     """Per-row sampling settings of a batch as tensors, plus each row's generator and history."""
 
     def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 device: torch.device, history: History | None = None):
+                 device: torch.device, history: History | None = None, shared: torch.Generator | None = None):
+        """generators[i]: row i's own (a seeded request), or None to draw from `shared` with the
+        other such rows in one call (None: torch's default generator)."""
         self.greedy = torch.tensor([p.greedy for p in params], device=device)
         self.all_greedy = bool(self.greedy.all())
         self.temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
@@ -20,6 +22,7 @@ class RowParams:
         self.top_p = torch.tensor([p.top_p for p in params], device=device)
         self.needs_filter = any(p.top_k > 0 or p.top_p < 1 for p in params)
         self.generators = generators
+        self.shared = shared
         self.history = history  # penalties and min_tokens; None when no row has any
 
     def expand(self, n: int) -> RowParams:
@@ -32,6 +35,7 @@ class RowParams:
         out.top_p = self.top_p.repeat_interleave(n)
         out.needs_filter = self.needs_filter
         out.generators = [g for g in self.generators for _ in range(n)]
+        out.shared = self.shared
         out.history = None  # per-position histories: History.adjust_positions before expanding
         return out
 
@@ -56,21 +60,42 @@ def probabilities(logits: torch.Tensor, rows: RowParams, proposed: torch.Tensor 
     return logits.softmax(-1)
 
 
-def exponential_noise(shape_v: int, n: int, generators: list[torch.Generator | None],
-                      device: torch.device) -> torch.Tensor:
-    """[n, V] Exp(1) draws, row i from generators[i] so a seeded request ignores its batch."""
-    return torch.stack([torch.empty(shape_v, device=device).exponential_(generator=g)
-                        for g in generators[:n]])
+def row_draws(shape: tuple[int, ...], rows: RowParams, device: torch.device, draw) -> torch.Tensor:
+    """[n, *shape] random draws (n = len(rows.generators)), `draw(tensor, generator)` filling them:
+    all rows in one call from the shared generator, then each seeded row again from its own, so
+    that a seeded request ignores its batch and the others cost one call (not one per row)."""
+    out = draw(torch.empty(len(rows.generators), *shape, device=device), rows.shared)
+    for i, g in enumerate(rows.generators):
+        if g is not None:
+            draw(out[i], g)
+    return out
+
+
+def uniforms(rows: RowParams, device: torch.device) -> torch.Tensor:
+    """[n, 1] draws in [0, 1), one per row."""
+    return row_draws((1,), rows, device, lambda t, g: t.uniform_(generator=g))
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[N, V] non-negative weights (each row's sum > 0, not necessarily 1), [N, 1] uniforms in
+    [0, 1) -> [N] tokens, each drawn with probability weight / row sum.
+
+    One uniform per row, where the exponential race draws one per vocabulary entry: 10-25x faster at
+    16 rows (bench/sampler.py). The token is the first whose cumulative weight exceeds u x sum;
+    u x sum is kept below the sum, so the token's own weight is never 0.
+    """
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
 def sample(probs: torch.Tensor, rows: RowParams) -> torch.Tensor:
-    """[N, V] -> [N] tokens: argmax for greedy rows, the exponential race for the others."""
+    """[N, V] -> [N] tokens: argmax for greedy rows, a draw from probs for the others."""
     greedy_tokens = probs.argmax(-1)
     if rows.all_greedy:
         return greedy_tokens
-    noise = exponential_noise(probs.shape[-1], probs.shape[0], rows.generators, probs.device)
-    sampled = (probs / noise).argmax(-1)
-    return torch.where(rows.greedy, greedy_tokens, sampled)
+    return torch.where(rows.greedy, greedy_tokens, inverse_cdf(probs, uniforms(rows, probs.device)))
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int

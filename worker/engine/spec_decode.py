@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.sampler import RowParams, exponential_noise
+from worker.engine.sampler import RowParams, inverse_cdf, row_draws, uniforms
 
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -24,8 +24,7 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: 
     if not rows.all_greedy:
         p_d = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
         q_d = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
-        u = torch.stack([torch.rand(k, generator=g, device=draft_tokens.device)
-                         for g in rows.generators])
+        u = row_draws((k,), rows, draft_tokens.device, lambda t, g: t.uniform_(generator=g))
         accept = torch.where(rows.greedy[:, None], accept, u * q_d < p_d)
     num_accepted = accept.int().cumprod(-1).sum(-1)  # [B]
 
@@ -40,9 +39,7 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: 
         # p == q leaves no residual mass; then any draw from p is right.
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
         dist = torch.where(rejected[:, None], residual, p_next)
-        noise = exponential_noise(dist.shape[-1], B, rows.generators, dist.device)
-        sampled = (dist / noise).argmax(-1)
-        next_token = torch.where(rows.greedy, next_token, sampled)
+        next_token = torch.where(rows.greedy, next_token, inverse_cdf(dist, uniforms(rows, dist.device)))
 
     tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
     tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
