@@ -31,8 +31,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                   help="torch threads on the CPU (default: OMP_NUM_THREADS if set, else all cores but one, "
-                        "which the server and its clients use)")
+                   help="torch threads on the CPU (default: torch's own, OMP_NUM_THREADS or every core)")
     p.add_argument("--log-level", default="INFO")
 
 

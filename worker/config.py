@@ -28,7 +28,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; overrides memory_utilization
     num_kv_blocks: int | None = None  # fixed block count, skips the memory plan (tests, benchmarks)
     seed: int = 0
-    cpu_threads: int | None = None  # torch threads on the CPU; None: OMP_NUM_THREADS, else all cores but one
+    cpu_threads: int | None = None  # torch threads on the CPU; None: torch's own (OMP_NUM_THREADS or all cores)
 
     def __post_init__(self):
         if self.draft_model is None or self.num_speculative_tokens == 0:

@@ -11,7 +11,6 @@ from tqdm import tqdm
 
 from worker.config import EngineConfig
 from worker.engine.block_manager import BlockManager
-from worker.engine.cpu_threads import set_cpu_threads
 from worker.engine.detokenizer import IncrementalText, TokenTexts
 from worker.engine.memory_setup import plan_memory
 from worker.engine.model_runner import ModelRunner
@@ -43,8 +42,8 @@ class LLMEngine:
         self.config = config
         self.device = get_device(config.device)
         self.dtype = self.device.dtype if config.dtype == "auto" else DTYPES[config.dtype]
-        if self.device.kind == "cpu":  # before anything runs: the profile measures what serving will do
-            log.info("%d torch threads", set_cpu_threads(config.cpu_threads))
+        if self.device.kind == "cpu" and config.cpu_threads:  # before the profile: it measures serving's threads
+            torch.set_num_threads(config.cpu_threads)
         for path in filter(None, (config.model, config.draft_model)):
             load_config(path)  # a bad path or architecture fails before anything is loaded
         self.tokenizer = load_tokenizer(config.model)
