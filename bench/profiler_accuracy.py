@@ -226,7 +226,7 @@ def main() -> None:
 
 def run_mode(args, argv: list[str]) -> bool:
     """args.runs runs of one mode; argv holds the engine flags (this script's own are removed)."""
-    argv = [a for a in argv if a not in ("--http", "--goals")]
+    argv = [a for a in argv if a != "--http"]
     for name in ("--runs", "--jobs", "--requests", "--max-waiting"):
         argv = strip_option(argv, name)
     args.requests = args.requests or 3 * args.max_num_seqs

@@ -71,9 +71,9 @@ def row_draws(shape: tuple[int, ...], rows: RowParams, device: torch.device, dra
     return out
 
 
-def uniforms(rows: RowParams, device: torch.device) -> torch.Tensor:
-    """[n, 1] draws in [0, 1), one per row."""
-    return row_draws((1,), rows, device, lambda t, g: t.uniform_(generator=g))
+def uniforms(rows: RowParams, device: torch.device, per_row: int = 1) -> torch.Tensor:
+    """[n, per_row] draws in [0, 1)."""
+    return row_draws((per_row,), rows, device, lambda t, g: t.uniform_(generator=g))
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

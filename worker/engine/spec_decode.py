@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.sampler import RowParams, inverse_cdf, row_draws, uniforms
+from worker.engine.sampler import RowParams, inverse_cdf, uniforms
 
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -24,7 +24,7 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: 
     if not rows.all_greedy:
         p_d = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
         q_d = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
-        u = row_draws((k,), rows, draft_tokens.device, lambda t, g: t.uniform_(generator=g))
+        u = uniforms(rows, draft_tokens.device, k)
         accept = torch.where(rows.greedy[:, None], accept, u * q_d < p_d)
     num_accepted = accept.int().cumprod(-1).sum(-1)  # [B]
 
