@@ -1,4 +1,4 @@
-"""oneDNN-packed weights against F.linear on the CPU, in speed and in memory (issue 14; not shipped).
+"""oneDNN-packed weights against F.linear on the CPU, in speed and in memory (issue 14).
 
     python bench/packed_linear.py [--rows 1,5,16,80] [--repeats 7] [--shapes 64]
 
@@ -7,8 +7,8 @@ passes alternate between plain weights and weights packed with torch.ops.mkldnn;
 min/median/max microseconds per pass and the ratio of medians.
 Memory: oneDNN builds and caches a primitive for every (weight shape, row count) it meets; the
 process RSS is read after --shapes distinct row counts through one packed and one plain weight.
-A server meets a new row count with almost every prompt length, so this growth has no bound the
-profile run could measure: the reason the worker does not pack (README, issue 14).
+A server meets a new row count with almost every prompt length: the worker therefore pads rows to
+a fixed set of counts and builds those kernels at startup (worker/models/packed_linear.py).
 """
 from __future__ import annotations
 

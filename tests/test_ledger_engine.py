@@ -7,11 +7,13 @@ import sys
 
 import psutil
 import pytest
+import torch
 from random_models import make_checkpoint
 
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.memory.profiler import module_tensor_bytes
+from worker.models.packed_linear import ROW_BUCKETS
 
 GiB = 1 << 30
 
@@ -79,6 +81,9 @@ def test_profile_prints_table_json_and_plot(checkpoints, tmp_path):
     doc = json.loads(profile("--json", checkpoints=checkpoints).stdout)
     assert {(e["component"], e["model"]) for e in doc["entries"]} >= {("weights", "target"), ("weights", "draft")}
     assert doc["declared_bytes"] == sum(e["bytes"] for e in doc["entries"])
+    if torch.backends.mkldnn.is_available():  # a fresh float32 process builds its oneDNN kernels up front
+        kernels = next(e["bytes"] for e in doc["entries"] if e["component"] == "kernels")
+        assert kernels > len(ROW_BUCKETS) * 256 * 1024
 
 
 @pytest.mark.parametrize("flags, message", [

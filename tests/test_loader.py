@@ -8,6 +8,7 @@ from random_models import make_checkpoint
 from worker.memory.device import CpuDevice
 from worker.memory.profiler import module_tensor_bytes
 from worker.models.loader import ModelLoadError, load_config, load_model
+from worker.models.packed_linear import plain
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
@@ -50,11 +51,11 @@ def test_fused_rows_hold_the_checkpoint_tensors(qwen2_shaped):
     state = load_file(f"{qwen2_shaped}/model.safetensors")
     attn, mlp = model.model.layers[3].self_attn, model.model.layers[3].mlp
     qkv = torch.cat([state[f"model.layers.3.self_attn.{p}_proj.weight"] for p in "qkv"])
-    torch.testing.assert_close(attn.qkv_weight, qkv, rtol=0, atol=0)
+    torch.testing.assert_close(plain(attn.qkv_weight), qkv, rtol=0, atol=0)
     torch.testing.assert_close(attn.qkv_bias, torch.cat([state[f"model.layers.3.self_attn.{p}_proj.bias"]
                                                          for p in "qkv"]), rtol=0, atol=0)
     gate_up = torch.cat([state[f"model.layers.3.mlp.{p}_proj.weight"] for p in ("gate", "up")])
-    torch.testing.assert_close(mlp.gate_up_weight, gate_up, rtol=0, atol=0)
+    torch.testing.assert_close(plain(mlp.gate_up_weight), gate_up, rtol=0, atol=0)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor
 
 
@@ -64,7 +65,7 @@ def test_other_dtype_goes_through_one_temporary_and_converts(qwen2_shaped):
     bf16 = load_model(qwen2_shaped, torch.bfloat16, CPU)
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     torch.testing.assert_close(bf16.model.layers[1].mlp.gate_up_weight,
-                               fp32.model.layers[1].mlp.gate_up_weight.to(torch.bfloat16), rtol=0, atol=0)
+                               plain(fp32.model.layers[1].mlp.gate_up_weight).to(torch.bfloat16), rtol=0, atol=0)
     assert bf16.rotary.inv_freq.dtype == torch.float32  # computed, kept in float32
 
 

@@ -24,7 +24,7 @@ from worker.engine.spec_decode import verify
 from worker.engine.speculation import speculation_policy
 from worker.memory.device import get_device
 from worker.memory.ledger import Ledger, format_table, summary_line
-from worker.memory.profiler import measure_weights
+from worker.memory.profiler import measure_held, measure_weights
 from worker.models.llama import CausalLM
 from worker.models.loader import ModelLoadError, load_config, load_model, load_tokenizer
 
@@ -50,7 +50,7 @@ class LLMEngine:
         if config.draft_model:
             check_same_tokenizer(self.tokenizer, load_tokenizer(config.draft_model), config)
         self.ledger = Ledger.at_start(self.device, config.model, config.draft_model)
-        with tqdm(total=4 if config.draft_model else 3, desc="startup", unit="stage", disable=None) as bar:
+        with tqdm(total=5 if config.draft_model else 4, desc="startup", unit="stage", disable=None) as bar:
             target = self._load("target", config.model, bar)
             draft = self._load("draft", config.draft_model, bar) if config.draft_model else None
             if draft is not None and draft.config.vocab_size != target.config.vocab_size:
@@ -58,6 +58,10 @@ class LLMEngine:
                                      f"target's {target.config.vocab_size}")
             config.resolve_lengths(target.config.max_position_embeddings)
             self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
+            bar.set_postfix_str("building matmul kernels")
+            # They stay in oneDNN's cache for the process's life: what it grew by is theirs.
+            self.ledger.record("kernels", measure_held(self.device, self.runner.warm_kernels))
+            bar.update()
             bar.set_postfix_str("profiling")
             held_by_server = server_state and (lambda: server_state(self.tokenizer, self.device.torch_device))
             self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer,

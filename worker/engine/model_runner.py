@@ -5,6 +5,7 @@ import torch
 
 from worker.models.attention import BlockTables, build_paged_batch
 from worker.models.llama import CausalLM
+from worker.models.packed_linear import warm
 
 
 class ModelRunner:
@@ -25,6 +26,11 @@ class ModelRunner:
             elem = next(model.parameters()).element_size()
             total += elem * torch.Size(model.kv_cache_shape(self.block_size)).numel()
         return total
+
+    def warm_kernels(self) -> None:
+        """Build every matmul kernel a forward can ask for (packed_linear.py; none off the CPU)."""
+        for model in self.models.values():
+            warm([(getattr(m, w), getattr(m, b) if b else None) for m, w, b in model.projections()])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         num_slots = num_blocks * self.block_size

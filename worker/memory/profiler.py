@@ -58,6 +58,9 @@ def module_tensor_bytes(module: torch.nn.Module) -> int:
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_meta:
             continue
+        if tensor.is_mkldnn:  # packed weights (models/packed_linear.py): opaque, their layout's padding included
+            storages[(tensor.device, id(tensor))] = torch.ops.mkldnn._nbytes(tensor)
+            continue
         storage = tensor.untyped_storage()
         storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.models.attention import PagedBatch
+from worker.models.packed_linear import linear, pack, packable
 from worker.models.rope import RotaryEmbedding, apply_rope
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -92,7 +93,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, batch: PagedBatch):
         B, Q, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], -1)
+        q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], -1)
         q = apply_rope(q.view(B, Q, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(B, Q, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(B, Q, self.num_kv_heads, self.head_dim)
@@ -104,7 +105,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window, q.dtype),
             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, Q, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+        return linear(out.transpose(1, 2).reshape(B, Q, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 def write_kv(kv_cache: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -145,8 +146,8 @@ class MLP(nn.Module):
         return fuse_linears(self, "gate_up", ("gate_proj", "up_proj"))
 
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
-        return self.down_proj(self.act(gate) * up)
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
+        return linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -199,6 +200,25 @@ class CausalLM(nn.Module):
                 layout.update({prefix + src: (prefix + dst, a, b) for src, (dst, a, b) in fused})
         return layout
 
+    def projections(self) -> list[tuple[nn.Module, str, str | None]]:
+        """Every weight a forward multiplies by: (module, weight attribute, bias attribute)."""
+        found = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            found += [(attn, "qkv_weight", "qkv_bias"), (attn.o_proj, "weight", "bias"),
+                      (mlp, "gate_up_weight", "gate_up_bias"), (mlp.down_proj, "weight", "bias")]
+        if not self.config.tie_word_embeddings:  # a tied head is the embedding, which is indexed
+            found.append((self.lm_head, "weight", None))
+        return found
+
+    def pack_linears(self) -> None:
+        """Projection weights packed for the CPU's matmuls (packed_linear.py), one at a time:
+        each plain weight is freed as its packed copy is made. A no-op off the CPU."""
+        for module, name, _ in self.projections():
+            weight = getattr(module, name)
+            if packable(weight):
+                setattr(module, name, nn.Parameter(pack(weight), requires_grad=False))
+
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """[k/v, layers, slots, kv heads, head dim]: one tensor holds the whole cache."""
         return (2, self.num_layers, num_slots, self.num_kv_heads, self.head_dim)
@@ -212,4 +232,4 @@ class CausalLM(nn.Module):
         if batch.logits_index.shape[1] == 0:
             return x.new_empty(x.shape[0], 0, self.config.vocab_size)
         picked = x.gather(1, batch.logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.model.norm(picked)).float()
+        return linear(self.model.norm(picked), self.lm_head.weight).float()

@@ -150,6 +150,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
         raise ModelLoadError(f"{path}: checkpoint does not match {config.architectures[0]}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.rotary.to(device)  # computed, not loaded
+    model.pack_linears()
     return model.eval().requires_grad_(False)
 
 

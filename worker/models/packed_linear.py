@@ -1,0 +1,72 @@
+"""Linear weights packed for oneDNN on the CPU, multiplied at a fixed set of row counts.
+
+On this project's AMD CPUs MKL's sgemm takes a generic path: oneDNN over packed weights was 1.2-2x
+faster per pass over the target's projections at 1-80 rows with one thread (bench/packed_linear.py),
+2-3.5x with two. vLLM's CPU
+build packs its weights too. But oneDNN builds and keeps a kernel (~0.55 MiB of code and buffers)
+for every row count and weight shape it meets, and a server meets a new row count with almost every
+prompt: rows are padded up to one of ROW_BUCKETS, and longer inputs go through in chunks of the
+largest. Every kernel a forward can ask for is then built at startup (warm), where the ledger
+measures it, and none is built while serving.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+import torch.nn.functional as F
+
+PACK_BATCH_HINT = 32  # rows the packing is tuned for; any row count is computed correctly
+# Up to 16 rows a pass costs about the same at any count (it reads the weights); above, a padded
+# row costs as much as a real one, so the steps narrow to at most a third of the count.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128)
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """An opaque oneDNN tensor holding weight [out, in]; the plain one may be freed."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for plain and packed weights alike."""
+    if not weight.is_mkldnn:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    largest = ROW_BUCKETS[-1]
+    if rows.shape[0] <= largest:
+        out = _bucketed(rows, weight, bias)
+    else:
+        out = torch.cat([_bucketed(chunk, weight, bias) for chunk in rows.split(largest)])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _bucketed(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    n = rows.shape[0]
+    bucket = ROW_BUCKETS[bisect.bisect_left(ROW_BUCKETS, n)]
+    if bucket != n or not rows.is_contiguous():  # a kernel is built per layout too: always dense rows
+        rows = F.pad(rows, (0, 0, 0, bucket - n))
+    out = kernel(rows, weight, bias)
+    return out if bucket == n else out[:n]
+
+
+def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+
+
+def warm(weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Build every kernel linear() can ask for: each packed (weight, bias) at every bucket."""
+    with torch.inference_mode():
+        for weight, bias in weights:
+            if weight.is_mkldnn:
+                for n in ROW_BUCKETS:
+                    linear(torch.zeros(n, weight.shape[1], dtype=weight.dtype), weight, bias)
+
+
+def plain(weight: torch.Tensor) -> torch.Tensor:
+    """The [out, in] values of a packed or plain weight."""
+    return weight.to_dense() if weight.is_mkldnn else weight
