@@ -1,9 +1,8 @@
 """Linear weights packed for oneDNN on the CPU, multiplied at a fixed set of row counts.
 
 On this project's AMD CPUs MKL's sgemm takes a generic path: oneDNN over packed weights was 1.2-2x
-faster per pass over the target's projections at 1-80 rows with one thread (bench/packed_linear.py),
-2-3.5x with two. vLLM's CPU
-build packs its weights too. But oneDNN builds and keeps a kernel (~0.55 MiB of code and buffers)
+faster per pass over the target's projections at 1-80 rows with one thread (bench/packed_linear.py)
+and 2-3.5x with two in a one-off run. vLLM's CPU build packs its weights too. But oneDNN builds and keeps a kernel (~0.55 MiB of code and buffers)
 for every row count and weight shape it meets, and a server meets a new row count with almost every
 prompt: rows are padded up to one of ROW_BUCKETS, and longer inputs go through in chunks of the
 largest. Every kernel a forward can ask for is then built at startup (warm), where the ledger
@@ -59,12 +58,13 @@ def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def warm(weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    """Build every kernel linear() can ask for: each packed (weight, bias) at every bucket."""
+    """Build every kernel linear() can ask for: each packed weight's shape, with or without a bias,
+    at every bucket. Kernels are kept per shape, not per tensor: layers alike share them."""
+    kinds = {(w.shape, w.dtype, b is None): (w, b) for w, b in weights if w.is_mkldnn}
     with torch.inference_mode():
-        for weight, bias in weights:
-            if weight.is_mkldnn:
-                for n in ROW_BUCKETS:
-                    linear(torch.zeros(n, weight.shape[1], dtype=weight.dtype), weight, bias)
+        for weight, bias in kinds.values():
+            for n in ROW_BUCKETS:
+                linear(torch.zeros(n, weight.shape[1], dtype=weight.dtype), weight, bias)
 
 
 def plain(weight: torch.Tensor) -> torch.Tensor:
