@@ -67,6 +67,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one call, bit-identical to the formula below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -92,11 +94,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, batch: PagedBatch):
         B, Q, _ = x.shape
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], -1)
-        q = apply_rope(q.view(B, Q, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(B, Q, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(B, Q, self.num_kv_heads, self.head_dim)
+        H, kvH = self.num_heads, self.num_kv_heads
+        heads = linear(x, self.qkv_weight, self.qkv_bias).view(B, Q, H + 2 * kvH, self.head_dim)
+        q, k = apply_rope(heads[:, :, :H + kvH], cos, sin).split([H, kvH], 2)  # one rotation for both
+        v = heads[:, :, H + kvH:]
         # Write the new keys/values, then read the whole context through the block table.
         write_kv(kv_cache, self.layer, batch.write_slots,
                  real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
