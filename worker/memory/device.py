@@ -17,15 +17,12 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 # On the CPU every process holds some memory; only the ones big enough to matter are listed.
 CPU_PROCESS_MIN_BYTES = 64 * MiB
-# glibc's thresholds move with history (freed large blocks raise them), so the same step could cost
-# different memory in different runs: both are pinned. Tensors under CPU_MMAP_THRESHOLD come from
-# the heap and reuse its pages; a mapping of their own costs a page fault per 4 KiB on every
-# allocation (with 256 KiB, 16 streams spent 43% of each step faulting in their KV gathers).
-# Up to CPU_TRIM_THRESHOLD of freed heap stays resident for the next step: the profiler measures
-# it (activation peak, allocator slack) and empty_cache() returns it before each measurement.
-CPU_MMAP_THRESHOLD = 32 * MiB
-CPU_TRIM_THRESHOLD = 32 * MiB
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+# glibc serves allocations from this size on with their own mapping, returned to the kernel when
+# freed. Its default threshold moves up (to 32 MiB) as large blocks are freed, after which freed
+# tensors stay in the heap or not depending on history: a fixed one keeps RSS = live tensors,
+# so a profiled step costs the same memory in every later run.
+CPU_MMAP_THRESHOLD = 256 << 10
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 
 
 @dataclass(frozen=True)
@@ -95,7 +92,7 @@ class CpuDevice(Device):
         self.dtype = torch.float32
         self._process = psutil.Process()
         self._warned_no_reset = False
-        pin_malloc_thresholds()
+        fix_mmap_threshold()
 
     def total_bytes(self) -> int:
         return psutil.virtual_memory().total
@@ -206,12 +203,11 @@ def _load_libc():
 _libc = _load_libc()
 
 
-def pin_malloc_thresholds() -> bool:
-    """Pin glibc's mmap and trim thresholds (no dynamic moves); False where there is no glibc."""
+def fix_mmap_threshold(nbytes: int = CPU_MMAP_THRESHOLD) -> bool:
+    """Pin glibc's mmap threshold (no dynamic growth); False where there is no glibc."""
     if _libc is None or not hasattr(_libc, "mallopt"):
         return False
-    return bool(_libc.mallopt(M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD)) and \
-        bool(_libc.mallopt(M_TRIM_THRESHOLD, CPU_TRIM_THRESHOLD))
+    return bool(_libc.mallopt(M_MMAP_THRESHOLD, nbytes))
 
 
 class CudaDevice(Device):
