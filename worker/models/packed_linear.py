@@ -2,11 +2,11 @@
 
 On this project's AMD CPUs MKL's sgemm takes a generic path: oneDNN over packed weights was 1.2-2x
 faster per pass over the target's projections at 1-80 rows with one thread (bench/packed_linear.py)
-and 2-3.5x with two in a one-off run. vLLM's CPU build packs its weights too. But oneDNN builds and keeps a kernel (~0.55 MiB of code and buffers)
-for every row count and weight shape it meets, and a server meets a new row count with almost every
-prompt: rows are padded up to one of ROW_BUCKETS, and longer inputs go through in chunks of the
-largest. Every kernel a forward can ask for is then built at startup (warm), where the ledger
-measures it, and none is built while serving.
+and 2-3.5x with two in a one-off run. vLLM's CPU build packs its weights too. But oneDNN builds and
+keeps a kernel (~0.55 MiB of code and buffers) for every row count and weight shape it meets, and a
+server meets a new row count with almost every prompt: rows are padded up to one of ROW_BUCKETS, and
+longer inputs go through in chunks of the largest. Every kernel a forward can ask for is then built
+at startup (warm), where the ledger measures it, and none is built while serving.
 """
 from __future__ import annotations
 
