@@ -12,6 +12,7 @@ from random_models import make_checkpoint
 
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
 from worker.memory.profiler import module_tensor_bytes
 from worker.models.packed_linear import ROW_BUCKETS
 
@@ -109,6 +110,12 @@ def test_new_entries_are_measured_and_everything_sums_to_the_budget(checkpoints)
     assert ledger.declared_bytes == ledger.budget_bytes  # whole blocks: nothing left over
     doc = engine.memory_report()
     assert sum(e["bytes"] for e in doc["entries"]) == doc["budget"]["bytes"]
+    # The gather workspace serving keeps is part of the activation peak, not held from the profile on.
+    assert engine.runner.workspace.nbytes() == 0
+    engine.add_request([5] * 200, SamplingParams(max_tokens=3, ignore_eos=True), "r")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert 0 < engine.runner.workspace.nbytes() <= ledger.bytes_of("activation_peak")
 
 
 def test_budget_that_only_the_new_entries_push_over_fails_naming_the_setting(checkpoints):

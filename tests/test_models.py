@@ -3,7 +3,7 @@ import pytest
 import torch
 import transformers
 
-from worker.models.attention import build_paged_batch
+from worker.models.attention import GatherWorkspace, build_paged_batch
 from worker.models.loader import load_model
 
 CPU = torch.device("cpu")
@@ -23,10 +23,16 @@ def test_prefill_then_decode_matches_transformers(checkpoints, family):
     model = load_model(checkpoints[family], torch.float32, CPU)
     block_size, table = 4, [9, 2, 7, 0, 5, 11, 3]  # scattered blocks on purpose
     cache = torch.zeros(model.kv_cache_shape(12 * block_size))
+    # Every forward gathers into one kept workspace, oversized and full of NaN from an earlier step.
+    workspace = GatherWorkspace()
+    for stale in workspace.pair(64, cache[0, 0]):
+        stale.fill_(float("nan"))
     prefill = build_paged_batch([ids[:17]], [0], [table], block_size, 17, CPU)
+    prefill.workspace = workspace
     ours = [model(prefill, cache)[0]]
     for pos in range(17, 24):
         step = build_paged_batch([[ids[pos]]], [pos], [table], block_size, 1, CPU)
+        step.workspace = workspace
         ours.append(model(step, cache)[0])
     torch.testing.assert_close(torch.cat(ours), ref, atol=1e-4, rtol=1e-4)
 

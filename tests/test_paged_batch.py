@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from worker.models.attention import BlockTables, build_paged_batch
+from worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
 
 CPU = torch.device("cpu")
 
@@ -99,3 +99,19 @@ def test_shared_tables_equal_tables_built_per_forward():
 def test_rows_past_their_tables_are_refused():
     with pytest.raises(ValueError, match="cover 8 positions"):
         build_paged_batch([[1, 2, 3]], [6], [[0, 1]], 4, 1, CPU)
+
+
+def test_workspace_keeps_its_buffers_and_grows_to_the_largest_step():
+    workspace = GatherWorkspace()
+    target, draft = torch.zeros(100, 4, 8), torch.zeros(100, 2, 8)
+    keys, values = workspace.pair(30, target)
+    assert keys.shape == values.shape == (30, 4, 8) and keys.data_ptr() != values.data_ptr()
+    smaller = workspace.pair(10, target)
+    assert smaller[0].shape == (10, 4, 8) and smaller[0].data_ptr() == keys.data_ptr()  # reused
+    larger = workspace.pair(50, target)
+    assert larger[0].shape == (50, 4, 8)
+    assert workspace.pair(30, target)[1].data_ptr() == larger[1].data_ptr()  # kept at its largest
+    assert workspace.pair(30, draft)[0].shape == (30, 2, 8)  # another cache shape: a pair of its own
+    assert workspace.pair(30, target.double())[0].dtype == torch.float64
+    workspace.clear()
+    assert workspace.pair(5, target)[0].data_ptr() != larger[0].data_ptr()

@@ -38,6 +38,7 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
         run_worst_case(runner, c)
         window.mark()
         run_varied(runner, c)  # untrimmed, as serving runs: what the allocator cannot reuse
+        runner.workspace.clear()  # serving grows it again, never past this run: an activation
     runner.kv.clear()
     device.empty_cache()
     ledger.record("activation_peak", window.activation_peak_bytes)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.models.attention import BlockTables, build_paged_batch
+from worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
 from worker.models.llama import CausalLM
 from worker.models.packed_linear import warm
 
@@ -16,6 +16,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kv: dict[str, torch.Tensor] = {}
+        self.workspace = GatherWorkspace()
 
     def bytes_per_block(self, name: str | None = None) -> int:
         """KV bytes one block holds for one model, or for all of them."""
@@ -52,6 +53,7 @@ class ModelRunner:
         (draft proposals), so no host round trip is needed to feed them back.
         """
         batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, num_logits, self.device)
+        batch.workspace = self.workspace
         if input_ids is not None:
             batch.input_ids = input_ids
         return self.models[name](batch, self.kv[name])

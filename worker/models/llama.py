@@ -101,8 +101,9 @@ class Attention(nn.Module):
         # Write the new keys/values, then read the whole context through the block table.
         write_kv(kv_cache, self.layer, batch.write_slots,
                  real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
-        keys = read_context(kv_cache[0, self.layer], batch.gather_slots)  # [B, kvH, C, D]
-        values = read_context(kv_cache[1, self.layer], batch.gather_slots)
+        key_buffer, value_buffer = batch.context_buffers(kv_cache[0, self.layer])
+        keys = read_context(kv_cache[0, self.layer], batch.gather_slots, key_buffer)  # [B, kvH, C, D]
+        values = read_context(kv_cache[1, self.layer], batch.gather_slots, value_buffer)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window, q.dtype),
             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, Q, D]
@@ -124,13 +125,14 @@ def real_tokens(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return flat if rows is None else flat.index_select(0, rows)
 
 
-def read_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[slots, kvH, D] cache, [B, C] slots -> [B, kvH, C, D].
+def read_context(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """[slots, kvH, D] cache, [B, C] slots -> [B, kvH, C, D], a view of `out` ([B * C, kvH, D]).
 
     index_select, not cache[slots]: on the CPU it copies rows several times faster.
     """
     B, C = slots.shape
-    return cache.index_select(0, slots.reshape(-1)).view(B, C, *cache.shape[1:]).transpose(1, 2)
+    flat = torch.index_select(cache, 0, slots.reshape(-1), out=out)
+    return flat.view(B, C, *cache.shape[1:]).transpose(1, 2)
 
 
 class MLP(nn.Module):
