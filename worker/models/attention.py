@@ -70,7 +70,7 @@ class PagedBatch:
     gather_slots: torch.Tensor  # [B, C] cache slot of context position c of row b
     context_lens: torch.Tensor  # [B]
     logits_index: torch.Tensor  # [B, n] query positions whose logits are wanted
-    # Where each layer's context is gathered; a batch of its own is made for callers without one.
+    # Where each layer's context is gathered: the runner's, kept between steps; else one for this batch.
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
 
     def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
