@@ -139,8 +139,11 @@ def test_budget_that_only_the_new_entries_push_over_fails_naming_the_setting(che
         plan_memory(engine.runner, replace(config, kv_cache_memory=None, memory_utilization=utilization),
                     engine.device, ledger, engine.tokenizer)
     # Re-measured, the entries before the new ones still fit: the new ones alone pushed it over.
+    # A plan made again in the same process reads RSS a few MiB apart (up to 7.4 MiB seen, which
+    # failed 1 run in 4 with no allowance): the earlier entries may pass the budget by new / 4.
     remeasured_new = ledger.bytes_of("sequence_state") + ledger.bytes_of("allocator")
-    assert ledger.non_kv_bytes - remeasured_new <= budget < ledger.non_kv_bytes
+    assert ledger.non_kv_bytes - remeasured_new <= budget + new // 4
+    assert budget < ledger.non_kv_bytes
 
 
 def entry(doc: dict, component: str) -> int:

@@ -70,6 +70,7 @@ class PagedBatch:
     gather_slots: torch.Tensor  # [B, C] cache slot of context position c of row b
     context_lens: torch.Tensor  # [B]
     logits_index: torch.Tensor  # [B, n] query positions whose logits are wanted
+    from_start: bool  # every row starts at position 0 (a prompt's prefill): its context is its own tokens
     # Where each layer's context is gathered: the runner's, kept between steps; else one for this batch.
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
 
@@ -121,4 +122,4 @@ def build_paged_batch(token_rows: list[list[int]], start_positions: list[int],
         input_ids=input_ids.to(device), positions=positions, write_rows=write_rows,
         write_slots=write_slots if write_rows is None else write_slots[write_rows],
         gather_slots=tables.slots[:, :context].contiguous(), context_lens=(starts + lens).to(device),
-        logits_index=logits_index.to(device))
+        logits_index=logits_index.to(device), from_start=max(start_positions) == 0)

@@ -101,12 +101,19 @@ class Attention(nn.Module):
         # Write the new keys/values, then read the whole context through the block table.
         write_kv(kv_cache, self.layer, batch.write_slots,
                  real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
-        key_buffer, value_buffer = batch.context_buffers(kv_cache[0, self.layer])
-        keys = read_context(kv_cache[0, self.layer], batch.gather_slots, key_buffer)  # [B, kvH, C, D]
-        values = read_context(kv_cache[1, self.layer], batch.gather_slots, value_buffer)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window, q.dtype),
-            enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, Q, D]
+        gqa = self.num_heads != self.num_kv_heads
+        if batch.from_start and self.window is None:
+            # The context is these tokens: no gather, and no [B, Q, C] mask (16 MiB at 2048 tokens).
+            # Padded queries see padding keys; their outputs are never read.
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa)
+        else:
+            key_buffer, value_buffer = batch.context_buffers(kv_cache[0, self.layer])
+            keys = read_context(kv_cache[0, self.layer], batch.gather_slots, key_buffer)  # [B, kvH, C, D]
+            values = read_context(kv_cache[1, self.layer], batch.gather_slots, value_buffer)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window, q.dtype),
+                enable_gqa=gqa)  # [B, H, Q, D]
         return linear(out.transpose(1, 2).reshape(B, Q, -1), self.o_proj.weight, self.o_proj.bias)
 
 
