@@ -98,12 +98,12 @@ class Attention(nn.Module):
         heads = linear(x, self.qkv_weight, self.qkv_bias).view(B, Q, H + 2 * kvH, self.head_dim)
         q, k = apply_rope(heads[:, :, :H + kvH], cos, sin).split([H, kvH], 2)  # one rotation for both
         v = heads[:, :, H + kvH:]
-        # Write the new keys/values, then read the whole context through the block table.
+        # Write the new keys/values; then attend to the context (read through the block table).
         write_kv(kv_cache, self.layer, batch.write_slots,
                  real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
         gqa = self.num_heads != self.num_kv_heads
         if batch.from_start and self.window is None:
-            # The context is these tokens: no gather, and no [B, Q, C] mask (16 MiB at 2048 tokens).
+            # The context is these tokens: no read, and no [B, Q, C] mask (16 MiB at 2048 tokens).
             # Padded queries see padding keys; their outputs are never read.
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa)
