@@ -91,3 +91,22 @@ def test_loaded_model_holds_packed_projections_counted_once(tmp_path):
     assert counted == module_tensor_bytes(model) > 0
     bf16 = load_model(str(path), torch.bfloat16, CPU)
     assert not any(p.is_mkldnn for p in bf16.parameters())
+
+
+@needs_mkldnn
+def test_a_long_input_goes_through_a_packed_mlp_in_slices_with_the_same_result(tmp_path, monkeypatch):
+    path = make_checkpoint(tmp_path / "m", "llama", layers=1, hidden=64, heads=4, kv_heads=2, intermediate=128)
+    model = load_model(str(path), torch.float32, CPU)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 150, 64)  # 300 rows: two full slices and a short one
+    rows_seen = []
+    whole = type(mlp)._rows
+    monkeypatch.setattr(type(mlp), "_rows", lambda self, part: rows_seen.append(tuple(part.shape[:-1])) or whole(self, part))
+    with torch.inference_mode():
+        sliced = mlp(x)
+        assert rows_seen == [(128,), (128,), (44,)]
+        for module, name, _ in model.projections():
+            setattr(module, name, torch.nn.Parameter(plain(getattr(module, name)), requires_grad=False))
+        rows_seen.clear()
+        torch.testing.assert_close(sliced, mlp(x), rtol=1e-5, atol=1e-4)
+        assert rows_seen == [(2, 150)]  # plain weights: the input whole, as it came

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.models.attention import PagedBatch
-from worker.models.packed_linear import linear, pack, packable
-from worker.models.rope import RotaryEmbedding, apply_rope
+from worker.models.packed_linear import ROW_BUCKETS, linear, pack, packable
+from worker.models.rope import RotaryEmbedding, rotate_
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -96,8 +96,8 @@ class Attention(nn.Module):
         B, Q, _ = x.shape
         H, kvH = self.num_heads, self.num_kv_heads
         heads = linear(x, self.qkv_weight, self.qkv_bias).view(B, Q, H + 2 * kvH, self.head_dim)
-        q, k = apply_rope(heads[:, :, :H + kvH], cos, sin).split([H, kvH], 2)  # one rotation for both
-        v = heads[:, :, H + kvH:]
+        rotate_(heads[:, :, :H + kvH], cos, sin)  # q and k in place, in one rotation
+        q, k, v = heads.split([H, kvH, kvH], 2)
         # Write the new keys/values; then attend to the context (read through the block table).
         write_kv(kv_cache, self.layer, batch.write_slots,
                  real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
@@ -156,6 +156,17 @@ class MLP(nn.Module):
         return fuse_linears(self, "gate_up", ("gate_proj", "up_proj"))
 
     def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        if not self.gate_up_weight.is_mkldnn or rows.shape[0] <= ROW_BUCKETS[-1]:
+            return self._rows(x)
+        # Packed weights multiply in slices of the largest bucket anyway: slicing the whole MLP at
+        # the same rows keeps its widest tensors (gate and up) one slice long, not prompt long.
+        out = torch.empty_like(rows)
+        for start, part in zip(range(0, rows.shape[0], ROW_BUCKETS[-1]), rows.split(ROW_BUCKETS[-1])):
+            out[start:start + part.shape[0]] = self._rows(part)
+        return out.view_as(x)
+
+    def _rows(self, x):
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
         return linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
 

@@ -39,8 +39,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     largest = ROW_BUCKETS[-1]
     if rows.shape[0] <= largest:
         out = _bucketed(rows, weight, bias)
-    else:
-        out = torch.cat([_bucketed(chunk, weight, bias) for chunk in rows.split(largest)])
+    else:  # each chunk's result is copied in and freed: one output at a time, not two (torch.cat)
+        out = rows.new_empty(rows.shape[0], weight.shape[0])
+        for start, chunk in zip(range(0, rows.shape[0], largest), rows.split(largest)):
+            out[start:start + chunk.shape[0]] = _bucketed(chunk, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
