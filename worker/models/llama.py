@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.models.attention import PagedBatch
-from worker.models.packed_linear import ROW_BUCKETS, linear, pack, packable
+from worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
 from worker.models.rope import RotaryEmbedding, rotate_
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -161,10 +161,7 @@ class MLP(nn.Module):
             return self._rows(x)
         # Packed weights multiply in slices of the largest bucket anyway: slicing the whole MLP at
         # the same rows keeps its widest tensors (gate and up) one slice long, not prompt long.
-        out = torch.empty_like(rows)
-        for start, part in zip(range(0, rows.shape[0], ROW_BUCKETS[-1]), rows.split(ROW_BUCKETS[-1])):
-            out[start:start + part.shape[0]] = self._rows(part)
-        return out.view_as(x)
+        return in_slices(rows, self._rows, rows.shape[1]).view_as(x)
 
     def _rows(self, x):
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)

@@ -36,14 +36,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    largest = ROW_BUCKETS[-1]
-    if rows.shape[0] <= largest:
+    if rows.shape[0] <= ROW_BUCKETS[-1]:
         out = _bucketed(rows, weight, bias)
-    else:  # each chunk's result is copied in and freed: one output at a time, not two (torch.cat)
-        out = rows.new_empty(rows.shape[0], weight.shape[0])
-        for start, chunk in zip(range(0, rows.shape[0], largest), rows.split(largest)):
-            out[start:start + chunk.shape[0]] = _bucketed(chunk, weight, bias)
+    else:
+        out = in_slices(rows, lambda part: _bucketed(part, weight, bias), weight.shape[0])
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def in_slices(rows: torch.Tensor, fn, width: int) -> torch.Tensor:
+    """fn over rows [N, in] in slices of the largest bucket, into one [N, width] output: each
+    slice's result is copied in and freed, so the results are never all held twice (torch.cat)."""
+    out = rows.new_empty(rows.shape[0], width)
+    largest = ROW_BUCKETS[-1]
+    for start in range(0, rows.shape[0], largest):
+        out[start:start + largest] = fn(rows[start:start + largest])
+    return out
 
 
 def _bucketed(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
