@@ -101,7 +101,7 @@ class Attention(nn.Module):
         # Write the new keys/values; then attend to the context (read through the block table).
         write_kv(kv_cache, self.layer, batch.write_slots,
                  real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
-        gqa = self.num_heads != self.num_kv_heads
+        gqa = H != kvH
         if batch.from_start and self.window is None:
             # The context is these tokens: no read, and no [B, Q, C] mask (16 MiB at 2048 tokens).
             # Padded queries see padding keys; their outputs are never read.
@@ -156,12 +156,11 @@ class MLP(nn.Module):
         return fuse_linears(self, "gate_up", ("gate_proj", "up_proj"))
 
     def forward(self, x):
-        rows = x.reshape(-1, x.shape[-1])
-        if not self.gate_up_weight.is_mkldnn or rows.shape[0] <= ROW_BUCKETS[-1]:
+        if not self.gate_up_weight.is_mkldnn or x.numel() <= ROW_BUCKETS[-1] * x.shape[-1]:
             return self._rows(x)
         # Packed weights multiply in slices of the largest bucket anyway: slicing the whole MLP at
         # the same rows keeps its widest tensors (gate and up) one slice long, not prompt long.
-        return in_slices(rows, self._rows, rows.shape[1]).view_as(x)
+        return in_slices(x.reshape(-1, x.shape[-1]), self._rows, x.shape[-1]).view_as(x)
 
     def _rows(self, x):
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)

@@ -46,7 +46,7 @@ class RotaryEmbedding(torch.nn.Module):
         return cos.to(dtype)[:, :, None], sin.to(dtype)[:, :, None]
 
 
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x [..., D] in place, halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
 
     One half-size temporary: the out-of-place form holds four tensors of x's size at once
@@ -57,4 +57,3 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1_sin = x1 * sin
     x1.mul_(cos).addcmul_(x2, sin, value=-1)
     x2.mul_(cos).add_(x1_sin)
-    return x
