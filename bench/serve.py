@@ -6,7 +6,8 @@ serve` and our worker, on the shipped pair, one server at a time, in one run.
 
 Servers: vLLM plain and with our draft (k=4, `--speculative-config`), `transformers serve` in both of
 its modes (the table keeps the better one per concurrency), ours plain and with the draft (k=4, and
-adaptive k up to 4: `ours-draft-adaptive`).
+adaptive k up to 4: `ours-draft-adaptive`), and both again with `--compile` (`ours-compiled`,
+`ours-draft-adaptive-compiled`: minutes of compiling at startup).
 Each is started, warmed up with two requests, driven by one guidellm run that goes through every
 concurrency (concurrent streams, synthetic prompts, chat completions, temperature 1.0, `ignore_eos`
 so every request makes the same number of tokens), and stopped before the next one starts.
@@ -45,10 +46,12 @@ from local_stack import free_port  # noqa: E402
 from vllm_peer import STARTUP_TIMEOUT, vllm_command, vllm_python  # noqa: E402
 
 ASSETS = ROOT / "worker" / "assets"
-SERVERS = ("vllm", "vllm-draft", "transformers", "transformers-cb", "ours", "ours-draft", "ours-draft-adaptive")
+SERVERS = ("vllm", "vllm-draft", "transformers", "transformers-cb", "ours", "ours-draft", "ours-draft-adaptive",
+           "ours-compiled", "ours-draft-adaptive-compiled")
 LABELS = {"vllm": "vLLM plain", "vllm-draft": "vLLM with our draft, k=4",
           "transformers": "transformers serve", "ours": "ours plain", "ours-draft": "ours with the draft, k=4",
-          "ours-draft-adaptive": "ours with the draft, adaptive k <= 4"}
+          "ours-draft-adaptive": "ours with the draft, adaptive k <= 4", "ours-compiled": "ours plain, --compile",
+          "ours-draft-adaptive-compiled": "ours with the draft, adaptive k <= 4, --compile"}
 ACCEPTANCE_METRICS = {  # (accepted, proposed) counters in each server's /metrics
     "vllm": ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
     "ours": ("vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_draft_tokens_total"),
@@ -66,6 +69,7 @@ class Server:
     metrics: str | None = None  # key of ACCEPTANCE_METRICS
     ignore_eos: bool = True  # False: the server refuses the field (transformers), min_new_tokens instead
     port: int = 0
+    startup_timeout: float = STARTUP_TIMEOUT
     process: subprocess.Popen | None = None
     log: Path | None = None
 
@@ -79,7 +83,8 @@ class Server:
             self.process = subprocess.Popen(self.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                             env={**os.environ, **self.env}, start_new_session=True)
 
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
+    def wait_ready(self) -> None:
+        timeout = self.startup_timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -125,19 +130,21 @@ def build_servers(args, port_for) -> dict[str, Server | str]:
             out[name] = transformers_server(name, args, port)
         else:
             out[name] = our_server(name, args, port, draft=name.startswith("ours-draft"),
-                                   speculation="adaptive" if name == "ours-draft-adaptive" else "fixed")
+                                   speculation="adaptive" if "adaptive" in name else "fixed",
+                                   compiled=name.endswith("-compiled"))
     return out
 
 
 def our_server(name: str, args, port: int, draft: bool, env: dict | None = None,
-               speculation: str = "fixed") -> Server:
+               speculation: str = "fixed", compiled: bool = False) -> Server:
     command = [sys.executable, "-m", "worker", "serve", "--model", args.model, "--device", "cpu",
                "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "2048",
                "--log-level", "warning", "--port", str(port)]
     command += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.k),
                 "--speculation", speculation] if draft else ["--no-draft"]
+    command += ["--compile"] * compiled
     return Server(name, command, Path(args.model).name, env=env or {}, metrics="ours" if draft else None,
-                  port=port)
+                  port=port, startup_timeout=STARTUP_TIMEOUT + 900 * compiled)  # compiling: 4-5 min idle
 
 
 _vllm_state: dict[str, str | None] = {}
@@ -332,7 +339,7 @@ def print_report(results: dict, observing, args) -> None:
     if best is not None:
         table["transformers"] = best
         order.append("transformers")
-    order += [n for n in ("ours", "ours-draft", "ours-draft-adaptive") if n in table]
+    order += [n for n in SERVERS if n.startswith("ours") and n in table]
     cs = list(args.concurrency)
     print(f"\nguidellm {guidellm_version()}: chat completions, synthetic {args.prompt_tokens}-token prompts, "
           f"{args.output_tokens} output tokens (ignore_eos), temperature 1.0, float32, CPU; "

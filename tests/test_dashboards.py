@@ -49,7 +49,8 @@ REQUIRED_SERIES = {
         "vramledger_spec_decode_num_speculative_tokens",
     },
 }
-LEDGER_COMPONENTS = {"runtime", "weights", "kernels", "activation_peak", "non_torch", "cuda_graph", "kv_cache"}
+LEDGER_COMPONENTS = {"runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "cuda_graph",
+                     "kv_cache"}
 
 
 @pytest.fixture(scope="module", params=sorted(DASHBOARDS))

@@ -166,6 +166,7 @@ def _ledger(device) -> Ledger:
     ledger.record("weights", GiB, "target")
     ledger.record("weights", GiB // 2, "draft")
     ledger.record("kernels", 0)
+    ledger.record("compiled", 0)
     ledger.record("activation_peak", 100 * MiB)
     ledger.record("non_torch", 10 * MiB)
     ledger.record("allocator", 12 * MiB)

@@ -32,6 +32,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch threads on the CPU (default: torch's own, OMP_NUM_THREADS or every core)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile both models with torch.compile (inductor) at startup (minutes); the "
+                        "ledger's `compiled` entry holds what it costs. On the CPU it helps plain decoding "
+                        "of one stream only, so far (README, Benchmarks)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -49,7 +53,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        cpu_threads=args.cpu_threads)
+        cpu_threads=args.cpu_threads, compile=args.compile)
 
 
 def build_parser() -> argparse.ArgumentParser:

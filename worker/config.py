@@ -29,6 +29,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed block count, skips the memory plan (tests, benchmarks)
     seed: int = 0
     cpu_threads: int | None = None  # torch threads on the CPU; None: torch's own (OMP_NUM_THREADS or all cores)
+    compile: bool = False  # torch.compile (inductor) both models at startup (worker/models/compiled.py)
 
     def __post_init__(self):
         if self.draft_model is None or self.num_speculative_tokens == 0:

@@ -50,7 +50,8 @@ class LLMEngine:
         if config.draft_model:
             check_same_tokenizer(self.tokenizer, load_tokenizer(config.draft_model), config)
         self.ledger = Ledger.at_start(self.device, config.model, config.draft_model)
-        with tqdm(total=5 if config.draft_model else 4, desc="startup", unit="stage", disable=None) as bar:
+        stages = 4 + bool(config.draft_model) + config.compile
+        with tqdm(total=stages, desc="startup", unit="stage", disable=None) as bar:
             target = self._load("target", config.model, bar)
             draft = self._load("draft", config.draft_model, bar) if config.draft_model else None
             if draft is not None and draft.config.vocab_size != target.config.vocab_size:
@@ -62,6 +63,11 @@ class LLMEngine:
             # They stay in oneDNN's cache for the process's life: what it grew by is theirs.
             self.ledger.record("kernels", measure_held(self.device, self.runner.warm_kernels))
             bar.update()
+            self.ledger.record("compiled", 0)
+            if config.compile:  # before the profile, so that it measures compiled steps
+                bar.set_postfix_str("compiling (minutes)")
+                self.ledger.record("compiled", measure_held(self.device, self.runner.compile))
+                bar.update()
             bar.set_postfix_str("profiling")
             held_by_server = server_state and (lambda: server_state(self.tokenizer, self.device.torch_device))
             self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer,
@@ -90,7 +96,9 @@ class LLMEngine:
 
     def _load(self, role: str, path: str, bar) -> CausalLM:
         bar.set_postfix_str(f"loading the {role} model")
-        model, nbytes = measure_weights(self.device, lambda: load_model(path, self.dtype, self.device.torch_device))
+        pack = not self.config.compile  # inductor packs plain weights itself (compiled.py)
+        device = self.device.torch_device
+        model, nbytes = measure_weights(self.device, lambda: load_model(path, self.dtype, device, pack))
         self.ledger.record("weights", nbytes, model=role)
         bar.update()
         return model

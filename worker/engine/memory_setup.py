@@ -45,7 +45,8 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     # Non-torch is everything the process gained since start that torch does not explain:
     # the profile run's lasting growth, and what imports and loaders left behind.
     now = MemorySnapshot.take(device)
-    explained = max(now.torch_reserved, ledger.bytes_of("weights")) + ledger.bytes_of("kernels")
+    explained = max(now.torch_reserved, ledger.bytes_of("weights")) + ledger.bytes_of("kernels") \
+        + ledger.bytes_of("compiled")
     since_start = now.process - ledger.bytes_of("runtime") - explained
     ledger.record("non_torch", max(window.non_torch_bytes, since_start))
     ledger.record("allocator", window.allocator_bytes)

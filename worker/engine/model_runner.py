@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
+from worker.models.compiled import compile_model, shape_classes
 from worker.models.llama import CausalLM
 from worker.models.packed_linear import warm
 
@@ -17,6 +18,7 @@ class ModelRunner:
         self.device = device
         self.kv: dict[str, torch.Tensor] = {}
         self.workspace = GatherWorkspace()
+        self.run = dict(self.models)  # what forward() calls per model: the model, or it compiled
 
     def bytes_per_block(self, name: str | None = None) -> int:
         """KV bytes one block holds for one model, or for all of them."""
@@ -33,12 +35,27 @@ class ModelRunner:
         for model in self.models.values():
             warm([(getattr(m, w), getattr(m, b) if b else None) for m, w, b in model.projections()])
 
+    def compile(self) -> None:
+        """Compile every model and build each kind of graph a step may need (shape_classes), on a
+        scratch cache; afterwards a step never compiles: a shape no graph fits runs eagerly."""
+        torch.compiler.set_stance("default")  # compiles again, should an earlier engine have frozen it
+        self.run = {name: compile_model(model) for name, model in self.models.items()}
+        # Logits per row: one, or (the target's verify) one per new token: 3 stands for any k + 1.
+        logits = {"target": (1, 3) if "draft" in self.models else (1,), "draft": (1,)}
+        self.allocate_kv_cache(1)  # the warm-up rows reach position 7 of one block
+        for name in self.models:
+            for rows, starts, n in shape_classes(logits[name]):
+                self.forward(name, rows, starts, [[0]] * len(rows), n)
+        self.kv.clear()
+        torch.compiler.set_stance("eager_on_recompile")
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         num_slots = num_blocks * self.block_size
         for name, model in self.models.items():
             dtype = next(model.parameters()).dtype
             self.kv[name] = torch.zeros(model.kv_cache_shape(num_slots), dtype=dtype, device=self.device)
 
+    @torch.inference_mode()  # as forward() builds them: compiled graphs are guarded on the kind of tensor
     def block_tables(self, tables: list[list[int]]) -> BlockTables:
         """Tables as tensors, once per step: its draft and target forwards share them."""
         return BlockTables.build(tables, self.block_size, self.device)
@@ -52,8 +69,16 @@ class ModelRunner:
         `input_ids` [B, Q] replaces the rows' tokens when they already live on the device
         (draft proposals), so no host round trip is needed to feed them back.
         """
-        batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, num_logits, self.device)
-        batch.workspace = self.workspace
-        if input_ids is not None:
-            batch.input_ids = input_ids
-        return self.models[name](batch, self.kv[name])
+        compiled = self.run[name] is not self.models[name]
+        # Compiled, no logits and unpadded rows would each be graphs of their own: one logit at least
+        # (dropped below) and every row's tokens written by index make one graph serve them all.
+        n = max(1, num_logits) if compiled else num_logits
+        batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, n, self.device)
+        if not compiled:  # a compiled forward's buffers are its own (inductor plans them)
+            batch.workspace = self.workspace
+        elif batch.write_rows is None:
+            batch.write_rows = torch.arange(batch.write_slots.numel(), device=self.device)
+        if input_ids is not None:  # compiled graphs are guarded on inference tensors, as batches' are
+            batch.input_ids = input_ids.clone() if compiled and not input_ids.is_inference() else input_ids
+        logits = self.run[name](batch, self.kv[name])
+        return logits[:, :num_logits] if compiled else logits

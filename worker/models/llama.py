@@ -87,6 +87,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=arch.o_bias)
+        self.write_kv = write_kv  # compiled.py swaps in an opaque op
 
     def fuse(self) -> dict[str, tuple[str, int, int]]:
         """One matmul for q, k and v: small batches pay per call, not per FLOP."""
@@ -99,8 +100,8 @@ class Attention(nn.Module):
         rotate_(heads[:, :, :H + kvH], cos, sin)  # q and k in place, in one rotation
         q, k, v = heads.split([H, kvH, kvH], 2)
         # Write the new keys/values; then attend to the context (read through the block table).
-        write_kv(kv_cache, self.layer, batch.write_slots,
-                 real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
+        self.write_kv(kv_cache, self.layer, batch.write_slots,
+                      real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
         gqa = H != kvH
         if batch.from_start and self.window is None:
             # The context is these tokens: no read, and no [B, Q, C] mask (16 MiB at 2048 tokens).
@@ -120,7 +121,7 @@ class Attention(nn.Module):
 def write_kv(kv_cache: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store one layer's new keys and values [N, kvH, D] at their slots.
 
-    One function that mutates the whole cache: bench/compile_forward.py makes it an opaque op.
+    One function that mutates the whole cache: a compiled model calls it as an opaque op (compiled.py).
     """
     kv_cache[0, layer].index_copy_(0, slots, k)
     kv_cache[1, layer].index_copy_(0, slots, v)

@@ -105,12 +105,13 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     return params
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(path: str, dtype: torch.dtype, device: torch.device, pack: bool = True) -> CausalLM:
     """Build the model on the meta device, then read the checkpoint into its (fused) parameters.
 
     Each weight is held once: tensors are read (not mapped) straight into their final storage
     (q/k/v and gate/up into their rows of the fused matrices), so no checkpoint file stays
     mapped and no unfused copy is ever made, on the host or in a CUDA allocator's cache.
+    pack=False keeps the projections plain, for torch.compile (compiled.py).
     """
     config = load_config(path)
     with torch.device("meta"):
@@ -150,7 +151,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
         raise ModelLoadError(f"{path}: checkpoint does not match {config.architectures[0]}: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.rotary.to(device)  # computed, not loaded
-    model.pack_linears()
+    if pack:
+        model.pack_linears()
     return model.eval().requires_grad_(False)
 
 
