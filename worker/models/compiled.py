@@ -16,7 +16,7 @@ from worker.models.llama import CausalLM
 # Options for every compiled model: weights as constants; code built in this process, so no pool
 # of compile workers outlives startup as memory the ledger does not name.
 INDUCTOR_OPTIONS = {"freezing": True, "compile_threads": 1}
-BACKEND = "inductor"  # tests swap in "aot_eager": the same graphs and guards, without minutes of C++
+BACKEND = "inductor"  # tests swap in dynamo's "eager": the same graphs and guards, without minutes of C++
 
 
 @torch.library.custom_op("vramledger::write_kv", mutates_args=("kv_cache",))
