@@ -34,8 +34,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="torch threads on the CPU (default: torch's own, OMP_NUM_THREADS or every core)")
     p.add_argument("--compile", action="store_true",
                    help="compile both models with torch.compile (inductor) at startup (minutes); the "
-                        "ledger's `compiled` entry holds what it costs. On the CPU it helps plain decoding "
-                        "of one stream only, so far (README, Benchmarks)")
+                        "ledger's `compiled` entry holds what it costs. Not faster on the CPU so far "
+                        "(README, Benchmarks)")
     p.add_argument("--log-level", default="INFO")
 
 
