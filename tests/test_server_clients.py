@@ -100,6 +100,8 @@ def test_guidellm_unpatched_reports_no_errored_request(named_server, tmp_path):
         assert b["config"]["backend"]["model"] == NAME
         totals = b["metrics"]["request_totals"]
         assert totals["errored"] == 0 and totals["incomplete"] == 0
-        assert totals["successful"] == GUIDELLM_REQUESTS
+        # guidellm's max_requests constraint once stopped at 3 of 4 at 4 streams (CI, nothing errored
+        # or cut): its scheduler's race, not a lost request, which would count as errored or incomplete
+        assert GUIDELLM_REQUESTS - 1 <= totals["successful"] <= GUIDELLM_REQUESTS
         # guidellm read the token counts from our usage: exactly the 16 tokens it asked for
-        assert b["metrics"]["output_token_count"]["successful"]["total_sum"] == 16 * GUIDELLM_REQUESTS
+        assert b["metrics"]["output_token_count"]["successful"]["total_sum"] == 16 * totals["successful"]
