@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.models.llama import CausalLM
+from worker.models.llama import CausalLM, write_kv
 
 # Options for every compiled model: weights as constants; code built in this process, so no pool
 # of compile workers outlives startup as memory the ledger does not name.
@@ -22,8 +22,7 @@ BACKEND = "inductor"  # tests swap in dynamo's "eager": the same graphs and guar
 @torch.library.custom_op("vramledger::write_kv", mutates_args=("kv_cache",))
 def opaque_write_kv(kv_cache: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> None:
-    kv_cache[0, layer].index_copy_(0, slots, k)
-    kv_cache[1, layer].index_copy_(0, slots, v)
+    write_kv(kv_cache, layer, slots, k, v)
 
 
 def compile_model(model: CausalLM):
