@@ -57,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if not torch.backends.mkldnn.is_available():
         raise SystemExit("torch was built without oneDNN")
-    model = load_model(DEFAULT_MODEL, torch.float32, torch.device("cpu"))
+    model = load_model(DEFAULT_MODEL, torch.float32, torch.device("cpu"), pack=False)
     dense = [w.detach() for layer in model.model.layers for w in (
         layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
         layer.mlp.down_proj.weight)]

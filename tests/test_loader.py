@@ -56,7 +56,11 @@ def test_fused_rows_hold_the_checkpoint_tensors(qwen2_shaped):
                                                          for p in "qkv"]), rtol=0, atol=0)
     gate_up = torch.cat([state[f"model.layers.3.mlp.{p}_proj.weight"] for p in ("gate", "up")])
     torch.testing.assert_close(plain(mlp.gate_up_weight), gate_up, rtol=0, atol=0)
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor
+    # tied: the head is a packed copy of the embedding (which stays plain: it is indexed) ...
+    assert model.lm_head.weight.is_mkldnn and not model.model.embed_tokens.weight.is_mkldnn
+    torch.testing.assert_close(plain(model.lm_head.weight), model.model.embed_tokens.weight, rtol=0, atol=0)
+    unpacked = load_model(qwen2_shaped, torch.float32, CPU, pack=False)
+    assert unpacked.lm_head.weight is unpacked.model.embed_tokens.weight  # ... or one tensor unpacked
 
 
 def test_other_dtype_goes_through_one_temporary_and_converts(qwen2_shaped):

@@ -196,7 +196,10 @@ def test_sizes_read_from_the_checkpoints_match_the_loaded_models():
     for path, layers in ((DEFAULT_MODEL, 8), (DEFAULT_DRAFT_MODEL, 1)):
         model = load_model(path, torch.float32, torch.device("cpu"))
         # the model also holds its rotary buffers
-        assert weight_bytes(path, 4) == pytest.approx(module_tensor_bytes(model), abs=1024)
+        # the tied head's packed copy counted too (float32 on the CPU)
+        assert weight_bytes(path, 4, packed=True) == pytest.approx(module_tensor_bytes(model), abs=1024)
+        assert weight_bytes(path, 4) == pytest.approx(module_tensor_bytes(load_model(
+            path, torch.float32, torch.device("cpu"), pack=False)), abs=1024)
         assert kv_bytes_per_block(path, 16, 4) == 4 * torch.Size(model.kv_cache_shape(16)).numel()
         assert kv_bytes_per_block(path, 16, 2) == layers * 2 * 4 * 32 * 16 * 2
 

@@ -21,9 +21,13 @@ PACK_BATCH_HINT = 32  # rows the packing is tuned for; any row count is computed
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128)
 
 
+def packs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether weights of this device and dtype are packed (only float32 on the CPU)."""
+    return device_type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 def packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+    return packs(weight.device.type, weight.dtype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

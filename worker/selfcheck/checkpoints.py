@@ -39,8 +39,9 @@ def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__" and v.get("dtype") in _ST_DTYPES}
 
 
-def weight_bytes(path: str | Path, element_bytes: int) -> int:
-    """Bytes the model's weights hold at element_bytes each; a tied lm_head is counted once."""
+def weight_bytes(path: str | Path, element_bytes: int, packed: bool = False) -> int:
+    """Bytes the model's weights hold at element_bytes each; a tied lm_head is counted once, or
+    twice with packed weights (the worker packs a copy of it: models/llama.py, pack_linears)."""
     directory = Path(path)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -52,6 +53,8 @@ def weight_bytes(path: str | Path, element_bytes: int) -> int:
         shapes.update(_safetensors_shapes(file))
     if read_config(directory).get("tie_word_embeddings"):
         shapes.pop("lm_head.weight", None)
+        if packed:
+            shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return sum(math.prod(s) for s in shapes.values()) * element_bytes
 
 

@@ -10,8 +10,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from worker.memory.plan import GiB, MiB, blocks_per_sequence
+from worker.models.packed_linear import packs
 from worker.selfcheck.checkpoints import ELEMENT_BYTES, kv_bytes_per_block, weight_bytes
 
 # Scenario 3: the two workers' shares of the device (vLLM issue 55827: 0.7 + 0.2 started together).
@@ -54,6 +57,14 @@ class Scale:
     def blocks_per_seq(self, draft: bool) -> int:
         k = self.num_speculative_tokens if draft else 0
         return blocks_per_sequence(self.max_model_len, self.block_size, k)
+
+    @property
+    def packs_weights(self) -> bool:
+        """Whether the workers pack their weights (float32 on the CPU: models/packed_linear.py)."""
+        return self.element_bytes == 4 and packs(self.kind, torch.float32)
+
+    def weight_bytes(self, path: str) -> int:
+        return weight_bytes(path, self.element_bytes, packed=self.packs_weights)
 
     def usable_kv_bytes(self, draft: bool, max_num_seqs: int | None = None) -> int:
         """The most KV cache max_num_seqs sequences of max_model_len can use (the worker's cap)."""
@@ -100,7 +111,7 @@ class Scale:
     def pair_needs_free_bytes(self, total_bytes: int) -> int:
         """Free memory scenario 3 needs before it starts anything."""
         if self.kind == "cpu":  # two workers: weights, their KV caches, a GiB each for the rest
-            weights = sum(weight_bytes(m, self.element_bytes) for m in (self.model, self.draft_model))
+            weights = sum(self.weight_bytes(m) for m in (self.model, self.draft_model))
             return self.neighbour_bytes + 2 * (weights + self.usable_kv_bytes(True) + GiB)
         return int((sum(PAIR_SHARES) + CUDA_NEIGHBOUR_SHARE + CUDA_MARGIN_SHARE) * total_bytes)
 

@@ -3,7 +3,7 @@ shrinks by the draft's weights plus the draft's share of every block; then the d
 load stays inside its budget. The draft's size comes from its checkpoint, not from the ledger."""
 from __future__ import annotations
 
-from worker.selfcheck.checkpoints import kv_bytes_per_block, weight_bytes
+from worker.selfcheck.checkpoints import kv_bytes_per_block
 from worker.selfcheck.context import Context
 from worker.selfcheck.report import Check, ScenarioResult, size
 from worker.selfcheck.scenario_ledger import entry, peak_checks
@@ -43,7 +43,7 @@ def check_draft_run(ctx: Context, result: ScenarioResult, base: dict, spec: Work
     mine = spec.ledger()
 
     # What the draft should cost, from its checkpoint and config.
-    draft_weights = weight_bytes(s.draft_model, s.element_bytes)
+    draft_weights = s.weight_bytes(s.draft_model)
     target_block = kv_bytes_per_block(s.model, s.block_size, s.element_bytes)
     draft_block = kv_bytes_per_block(s.draft_model, s.block_size, s.element_bytes)
     result.add(Check.compare("same budget", within(mine["budget"]["bytes"], budget, 0.001),
