@@ -3,23 +3,47 @@ from __future__ import annotations
 
 
 class IncrementalText:
-    """Decodes a request's output tokens and hands out only text that is final."""
+    """Decodes a request's output tokens and hands out only text that is final.
+
+    Each step decodes a short window, not the whole output (which made a step's cost grow with
+    every token: 0.5 ms per 2048-token request per step). The window starts a few tokens back, so
+    the tokenizer sees the context that decides a token's text (a leading space, the bytes of a
+    character split across tokens); its text past the previous tokens' is the new text.
+    """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
         self.stop = stop
         self.text = ""
         self.emitted = 0
+        self._settled = ""  # the text of the tokens before `_read`: final
+        self._start = 0  # the window's first token
+        self._read = 0  # tokens whose text is in `_settled`
+        self._known = ""  # the text of tokens [_start, _read)
 
     def update(self, output_token_ids: list[int], check_stop: bool = True) -> bool:
-        """Re-decode the output; True when a stop string appeared (text is cut before it)."""
-        self.text = self.tokenizer.decode(output_token_ids, skip_special_tokens=True)
+        """Decode the new tokens; True when a stop string appeared (text is cut before it)."""
+        self.text = self._decode(output_token_ids)
         for s in self.stop if check_stop else ():
             at = self.text.find(s, max(0, self.emitted - len(s)))
             if at != -1:
                 self.text = self.text[:at]
                 return True
         return False
+
+    def _decode(self, ids: list[int]) -> str:
+        if len(ids) < self._read:  # tokens taken back (a stop token's): decode again from the start
+            self._settled, self._start, self._read, self._known = "", 0, 0, ""
+        window = self.tokenizer.decode(ids[self._start:], skip_special_tokens=True)
+        if not window.startswith(self._known):  # the tokenizer rewrote earlier text: the long way
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        new = window[len(self._known):]
+        if not new or new.endswith("\ufffd"):
+            return self._settled + new  # a character still split: settle it with the next token
+        self._settled += new
+        self._start, self._read = self._read, len(ids)
+        self._known = self.tokenizer.decode(ids[self._start:], skip_special_tokens=True)
+        return self._settled
 
     def delta(self, final: bool) -> str:
         """New text since the last call; unfinished characters and stop prefixes wait."""
