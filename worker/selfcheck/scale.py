@@ -58,13 +58,10 @@ class Scale:
         k = self.num_speculative_tokens if draft else 0
         return blocks_per_sequence(self.max_model_len, self.block_size, k)
 
-    @property
-    def packs_weights(self) -> bool:
-        """Whether the workers pack their weights (float32 on the CPU: models/packed_linear.py)."""
-        return self.element_bytes == 4 and packs(self.kind, torch.float32)
-
     def weight_bytes(self, path: str) -> int:
-        return weight_bytes(path, self.element_bytes, packed=self.packs_weights)
+        """A model's weights as the workers hold them (packed: float32 on the CPU)."""
+        packed = self.element_bytes == 4 and packs(self.kind, torch.float32)
+        return weight_bytes(path, self.element_bytes, packed=packed)
 
     def usable_kv_bytes(self, draft: bool, max_num_seqs: int | None = None) -> int:
         """The most KV cache max_num_seqs sequences of max_model_len can use (the worker's cap)."""
