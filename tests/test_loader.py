@@ -8,7 +8,7 @@ from random_models import make_checkpoint
 from worker.memory.device import CpuDevice
 from worker.memory.profiler import module_tensor_bytes
 from worker.models.loader import ModelLoadError, load_config, load_model
-from worker.models.packed_linear import plain
+from worker.models.packed_linear import is_packed, plain
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
@@ -57,7 +57,7 @@ def test_fused_rows_hold_the_checkpoint_tensors(qwen2_shaped):
     gate_up = torch.cat([state[f"model.layers.3.mlp.{p}_proj.weight"] for p in ("gate", "up")])
     torch.testing.assert_close(plain(mlp.gate_up_weight), gate_up, rtol=0, atol=0)
     # tied: the head is a packed copy of the embedding (which stays plain: it is indexed) ...
-    assert model.lm_head.weight.is_mkldnn and not model.model.embed_tokens.weight.is_mkldnn
+    assert is_packed(model.lm_head.weight) and not is_packed(model.model.embed_tokens.weight)
     torch.testing.assert_close(plain(model.lm_head.weight), model.model.embed_tokens.weight, rtol=0, atol=0)
     unpacked = load_model(qwen2_shaped, torch.float32, CPU, pack=False)
     assert unpacked.lm_head.weight is unpacked.model.embed_tokens.weight  # ... or one tensor unpacked

@@ -1,4 +1,5 @@
-"""Packed CPU weights compute what F.linear computes, at a bounded set of row counts built at startup."""
+"""oneDNN-packed CPU weights compute what F.linear computes, at a bounded set of row counts built at startup;
+loaded models hold packed projections (blocked where the kernel runs, else oneDNN)."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,9 @@ from random_models import make_checkpoint
 
 from worker.memory.device import CpuDevice
 from worker.memory.profiler import module_tensor_bytes
-from worker.models import packed_linear
+from worker.models import blocked_linear, packed_linear
 from worker.models.loader import load_model
-from worker.models.packed_linear import ROW_BUCKETS, linear, pack, packable, plain, warm
+from worker.models.packed_linear import ROW_BUCKETS, is_packed, linear, pack_onednn, packable, plain, warm
 
 CPU = torch.device("cpu")
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -23,7 +24,7 @@ def test_packed_linear_matches_f_linear(shape, with_bias):
     torch.manual_seed(0)
     weight, x = torch.randn(384, 256), torch.randn(shape)
     bias = torch.randn(384) if with_bias else None
-    packed = pack(weight)
+    packed = pack_onednn(weight)
     assert packed.is_mkldnn and packed.shape == weight.shape
     torch.testing.assert_close(linear(x, packed, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(plain(packed), weight, rtol=0, atol=0)
@@ -32,7 +33,7 @@ def test_packed_linear_matches_f_linear(shape, with_bias):
 @needs_mkldnn
 def test_non_contiguous_rows_are_multiplied_as_they_read():
     weight, x = torch.randn(64, 32), torch.randn(32, 10).t()  # [10, 32], column-major
-    torch.testing.assert_close(linear(x, pack(weight)), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, pack_onednn(weight)), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
 @needs_mkldnn
@@ -40,7 +41,7 @@ def test_every_kernel_call_uses_a_bucketed_row_count(monkeypatch):
     seen = []
     real = packed_linear.kernel
     monkeypatch.setattr(packed_linear, "kernel", lambda rows, *args: seen.append(rows.shape[0]) or real(rows, *args))
-    packed = pack(torch.randn(48, 16))
+    packed = pack_onednn(torch.randn(48, 16))
     for n in (1, 3, 5, 17, 81, 128, 129, 1000):
         assert linear(torch.randn(n, 16), packed).shape == (n, 48)
     assert set(seen) <= set(ROW_BUCKETS) and max(seen) == ROW_BUCKETS[-1]
@@ -50,7 +51,7 @@ def test_every_kernel_call_uses_a_bucketed_row_count(monkeypatch):
 def test_after_warm_no_row_count_builds_another_kernel():
     """oneDNN keeps ~0.5 MiB per kernel: 300 unbucketed row counts would add over 100 MiB."""
     device = CpuDevice()
-    weight = pack(torch.randn(1024, 512))
+    weight = pack_onednn(torch.randn(1024, 512))
     warm([(weight, None)])
     device.empty_cache()
     before = device.process_bytes()
@@ -69,9 +70,9 @@ def test_only_float32_host_weights_are_packed():
 @needs_mkldnn
 def test_packed_weights_count_with_their_layouts_padding():
     module = torch.nn.Module()
-    module.weight = torch.nn.Parameter(pack(torch.randn(1000, 250)), requires_grad=False)
+    module.weight = torch.nn.Parameter(pack_onednn(torch.randn(1000, 250)), requires_grad=False)
     assert module_tensor_bytes(module) >= 1000 * 250 * 4
-    module.weight = torch.nn.Parameter(pack(torch.randn(256, 128)), requires_grad=False)
+    module.weight = torch.nn.Parameter(pack_onednn(torch.randn(256, 128)), requires_grad=False)
     assert module_tensor_bytes(module) == 256 * 128 * 4
 
 
@@ -82,19 +83,20 @@ def test_loaded_model_holds_packed_projections_counted_once(tmp_path):
     layer = model.model.layers[1]
     packed = [layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
               layer.mlp.down_proj.weight]
-    assert all(w.is_mkldnn for w in packed)
-    assert not model.model.embed_tokens.weight.is_mkldnn  # the embedding is indexed
+    assert all(is_packed(w) for w in packed)
+    assert not is_packed(model.model.embed_tokens.weight)  # the embedding is indexed
     # Packed tensors count as their bytes: here (no padding) the same as the unpacked model's.
     counted = module_tensor_bytes(model)
     for module, name, _ in model.projections():
         setattr(module, name, torch.nn.Parameter(plain(getattr(module, name)), requires_grad=False))
     assert counted == module_tensor_bytes(model) > 0
     bf16 = load_model(str(path), torch.bfloat16, CPU)
-    assert not any(p.is_mkldnn for p in bf16.parameters())
+    assert not any(is_packed(p) for p in bf16.parameters())
 
 
 @needs_mkldnn
-def test_a_long_input_goes_through_a_packed_mlp_in_slices_with_the_same_result(tmp_path, monkeypatch):
+def test_a_long_input_goes_through_a_onednn_mlp_in_slices_with_the_same_result(tmp_path, monkeypatch):
+    monkeypatch.setattr(blocked_linear, "available", lambda: False)  # oneDNN, as on a CPU without AVX-512
     path = make_checkpoint(tmp_path / "m", "llama", layers=1, hidden=64, heads=4, kv_heads=2, intermediate=128)
     model = load_model(str(path), torch.float32, CPU)
     mlp = model.model.layers[0].mlp

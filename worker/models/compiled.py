@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from worker.models.llama import CausalLM, write_kv
+from worker.models.packed_linear import is_packed
 
 # Options for every compiled model: weights as constants; code built in this process, so no pool
 # of compile workers outlives startup as memory the ledger does not name.
@@ -28,7 +29,7 @@ def opaque_write_kv(kv_cache: torch.Tensor, layer: int, slots: torch.Tensor, k: 
 def compile_model(model: CausalLM):
     """The model's forward compiled for every batch shape (dynamic sizes); the model must hold
     plain weights (load_model(..., pack=False)). Nothing compiles until the first call."""
-    if any(getattr(m, w).is_mkldnn for m, w, _ in model.projections()):
+    if any(is_packed(getattr(m, w)) for m, w, _ in model.projections()):
         raise ValueError("compile_model needs plain weights: load the model with pack=False")
     for layer in model.model.layers:
         layer.self_attn.write_kv = opaque_write_kv

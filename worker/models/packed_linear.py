@@ -1,4 +1,8 @@
-"""Linear weights packed for oneDNN on the CPU, multiplied at a fixed set of row counts.
+"""Linear weights packed for the CPU's matmuls: this project's kernel where it runs, else oneDNN.
+
+float32 weights on an AVX-512 CPU go to blocked_linear.py (its own kernel: fastest at every row
+count measured, no kernels to build per shape). Elsewhere, and for weights whose outputs do not
+fill whole blocks, oneDNN packs them, as follows.
 
 On this project's AMD CPUs MKL's sgemm takes a generic path: oneDNN over packed weights was 1.2-2x
 faster per pass over the target's projections at 1-80 rows with one thread (bench/packed_linear.py)
@@ -15,6 +19,8 @@ import bisect
 import torch
 import torch.nn.functional as F
 
+from worker.models import blocked_linear
+
 PACK_BATCH_HINT = 32  # rows the packing is tuned for; any row count is computed correctly
 # Up to 16 rows a pass costs about the same at any count (it reads the weights); above, a padded
 # row costs as much as a real one, so the steps narrow to at most a third of the count.
@@ -23,7 +29,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128)
 
 def packs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether weights of this device and dtype are packed (only float32 on the CPU)."""
-    return device_type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return device_type == "cpu" and dtype == torch.float32 and (
+        blocked_linear.available() or torch.backends.mkldnn.is_available())
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -31,12 +38,25 @@ def packable(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """An opaque oneDNN tensor holding weight [out, in]; the plain one may be freed."""
+    """weight [out, in] in the layout its matmuls are fastest in; the plain one may be freed."""
+    if blocked_linear.available() and blocked_linear.fits(weight):
+        return blocked_linear.pack(weight)
+    return pack_onednn(weight)
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """An opaque oneDNN tensor holding weight [out, in]."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight.is_mkldnn or blocked_linear.is_blocked(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for plain and packed weights alike."""
+    if blocked_linear.is_blocked(weight):
+        return blocked_linear.linear(x, weight, bias)
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -82,4 +102,6 @@ def warm(weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
 
 def plain(weight: torch.Tensor) -> torch.Tensor:
     """The [out, in] values of a packed or plain weight."""
+    if blocked_linear.is_blocked(weight):
+        return blocked_linear.unpack(weight)
     return weight.to_dense() if weight.is_mkldnn else weight

@@ -1,0 +1,60 @@
+"""The C kernels are compiled once per source into the cache, and where they cannot be built or run
+the worker says why and keeps torch's ops."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from worker.models import native
+
+
+@pytest.fixture
+def fresh_loads():
+    native.load.cache_clear()
+    yield
+    native.load.cache_clear()
+
+
+def test_the_kernel_loads_wherever_it_can_run():
+    can_run = torch.backends.cpu.get_cpu_capability().startswith("AVX512") and shutil.which("cc")
+    assert (native.load("blocked_linear") is not None) == bool(can_run)
+
+
+def test_a_library_is_built_once_per_source_and_reused(tmp_path):
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler")
+    first = native.build(native.HERE / "blocked_linear.c", into=tmp_path)
+    built_at = first.stat().st_mtime_ns
+    assert native.build(native.HERE / "blocked_linear.c", into=tmp_path) == first
+    assert first.stat().st_mtime_ns == built_at
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left behind
+
+
+def test_a_changed_source_gets_a_library_of_its_own(tmp_path):
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler")
+    source = tmp_path / "k.c"
+    source.write_text("int k(void) { return 1; }\n")
+    one = native.build(source, into=tmp_path / "cache")
+    source.write_text("int k(void) { return 2; }\n")
+    assert native.build(source, into=tmp_path / "cache") != one
+
+
+def test_without_a_compiler_torch_ops_run_and_the_log_says_why(monkeypatch, tmp_path, caplog, fresh_loads):
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.load("blocked_linear") is None
+    assert "blocked_linear kernel could not be built" in caplog.text
+    assert not list((tmp_path / "vramledger" / "kernels").iterdir())  # the failed build left nothing
+
+
+def test_without_avx512_nothing_is_built(monkeypatch, fresh_loads):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(native, "build", lambda *a, **k: pytest.fail("built for a CPU that cannot run it"))
+    assert native.load("blocked_linear") is None
+    assert native.function("blocked_linear", "blocked_linear") is None
