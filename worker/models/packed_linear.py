@@ -41,7 +41,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] in the layout its matmuls are fastest in; the plain one may be freed."""
     if blocked_linear.available() and blocked_linear.fits(weight):
         return blocked_linear.pack(weight)
-    return pack_onednn(weight)
+    return pack_onednn(weight) if torch.backends.mkldnn.is_available() else weight
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
