@@ -5,7 +5,8 @@
 Speed: one "pass" runs every decoder projection of the shipped target once, as a forward does;
 passes alternate between plain weights, weights packed with torch.ops.mkldnn and weights blocked
 for this project's kernel (worker/models/blocked_linear.py, where it runs); prints min/median/max
-microseconds per pass and each layout's median over the blocked one's.
+microseconds per pass and each layout's median over the blocked one's (over oneDNN's where the
+kernel cannot run).
 Memory: oneDNN builds and caches a primitive for every (weight shape, row count) it meets; the
 process RSS is read after --shapes distinct row counts through one packed and one plain weight.
 A server meets a new row count with almost every prompt length: the worker therefore pads rows to
