@@ -5,7 +5,7 @@
  * loads 4 weight vectors, broadcasts one x value per row and adds one fused multiply per row and
  * block. Every output sums over k in order, so a row's result does not depend on M or on the tile
  * it falls in: one row decoded alone and the same row in a batch give the same bits.
- * Built and loaded by blocked_linear.py; threads come from the OpenMP runtime torch has loaded.
+ * Built and loaded by native.py; threads come from the OpenMP runtime torch has loaded.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -36,28 +36,13 @@
 TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4) TILE(5, 4) TILE(6, 4)
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
 
-/* Rows known at compile time let the compiler keep every accumulator in a register. */
-static void four_blocks(int rows, const float *x, int64_t K, const float *w, float *y, int64_t N) {
-  switch (rows) {
-    case 1: tile_1_4(x, K, w, y, N); break;
-    case 2: tile_2_4(x, K, w, y, N); break;
-    case 3: tile_3_4(x, K, w, y, N); break;
-    case 4: tile_4_4(x, K, w, y, N); break;
-    case 5: tile_5_4(x, K, w, y, N); break;
-    default: tile_6_4(x, K, w, y, N);
-  }
-}
-
-static void one_block(int rows, const float *x, int64_t K, const float *w, float *y, int64_t N) {
-  switch (rows) {
-    case 1: tile_1_1(x, K, w, y, N); break;
-    case 2: tile_2_1(x, K, w, y, N); break;
-    case 3: tile_3_1(x, K, w, y, N); break;
-    case 4: tile_4_1(x, K, w, y, N); break;
-    case 5: tile_5_1(x, K, w, y, N); break;
-    default: tile_6_1(x, K, w, y, N);
-  }
-}
+/* Rows known at compile time let the compiler keep every accumulator in a register:
+ * TILES[wide][rows - 1] is the tile for 4 blocks (wide) or 1. */
+typedef void (*tile_fn)(const float *, int64_t, const float *, float *, int64_t);
+static const tile_fn TILES[2][MAX_ROWS] = {
+    {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1},
+    {tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4},
+};
 
 /* x: [M, K] dense; packed: [N / 16, K, 16]; y: [M, N] dense. N must be a multiple of 16.
  * The work splits over groups of 4 blocks (then single blocks), each group's weights read once
@@ -71,10 +56,7 @@ void blocked_linear(const float *x, int64_t M, int64_t K, const float *packed, i
     const float *w = packed + block * K * 16;
     for (int64_t m = 0; m < M; m += MAX_ROWS) {
       const int rows = M - m < MAX_ROWS ? (int)(M - m) : MAX_ROWS;
-      if (unit < groups)
-        four_blocks(rows, x + m * K, K, w, y + m * N + block * 16, N);
-      else
-        one_block(rows, x + m * K, K, w, y + m * N + block * 16, N);
+      TILES[unit < groups][rows - 1](x + m * K, K, w, y + m * N + block * 16, N);
     }
   }
 }

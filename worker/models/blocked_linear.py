@@ -62,8 +62,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     if rows.dtype != torch.float32:  # the kernel reads raw memory: any other dtype would be garbage
         raise TypeError(f"blocked_linear needs float32 inputs, got {rows.dtype}")
     out = rows.new_empty(rows.shape[0], blocks * BLOCK)
-    _kernel()(rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(), out.shape[1],
-                              out.data_ptr(), torch.get_num_threads())
+    _kernel()(rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(), out.shape[1], out.data_ptr(),
+              torch.get_num_threads())
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out.shape[1])
