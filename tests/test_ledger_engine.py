@@ -37,7 +37,9 @@ def build(target, draft, utilization):
 def test_draft_weights_are_their_own_entry_and_leave_the_kv_budget(wide_pair):
     target, draft = wide_pair
     total = psutil.virtual_memory().total
-    utilization = (psutil.Process().memory_info().rss + 1.5 * GiB) / total
+    # Under the 1 GiB of target KV that 512 sequences of 512 tokens could fill: the budget, not the
+    # sequences, bounds the cache (plain decoding gathers nothing since the paged attention kernel).
+    utilization = (psutil.Process().memory_info().rss + 0.9 * GiB) / total
     plans = {}
     for name, d in (("without", None), ("with", draft)):
         engine = build(target, d, utilization)
@@ -49,6 +51,7 @@ def test_draft_weights_are_their_own_entry_and_leave_the_kv_budget(wide_pair):
                            draft_params=module_tensor_bytes(engine.runner.models["draft"]) if d else 0,
                            entries_before_kv=sum(e.bytes for e in ledger.entries if e.component != "kv_cache"),
                            non_kv_parts=[e.bytes for e in ledger.entries if e.component != "kv_cache"])
+        print("PLAN", name, plans[name]["non_kv"] >> 20, plans[name]["budget"] >> 20, ledger.bytes_of("kv_cache") >> 20)
         # The whole budget is used: everything before the KV cache, then whole blocks.
         assert plans[name]["non_kv"] + ledger.bytes_of("kv_cache") <= plans[name]["budget"]
         assert plans[name]["budget"] - plans[name]["non_kv"] - ledger.bytes_of("kv_cache") < plans[name]["per_block"]

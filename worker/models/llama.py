@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models import rms_norm
+from worker.models import paged_attention, rms_norm
 from worker.models.attention import PagedBatch
 from worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
 from worker.models.rope import RotaryEmbedding, rotate_
@@ -111,6 +111,10 @@ class Attention(nn.Module):
             # Padded queries see padding keys; their outputs are never read.
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa)
+        elif Q == 1 and paged_attention.runs_on(q, kv_cache):  # decode; SDPA verifies faster (README)
+            out = paged_attention.attend(q, kv_cache[0, self.layer], kv_cache[1, self.layer], batch.gather_slots,
+                                         batch.positions, batch.context_lens, self.window)
+            return linear(out, self.o_proj.weight, self.o_proj.bias)
         else:
             key_buffer, value_buffer = batch.context_buffers(kv_cache[0, self.layer])
             keys = read_context(kv_cache[0, self.layer], batch.gather_slots, key_buffer)  # [B, kvH, C, D]

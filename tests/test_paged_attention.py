@@ -1,0 +1,85 @@
+"""The paged attention kernel attends as the gather + mask + SDPA path does, reading the cache in place."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.models import paged_attention
+from worker.models.attention import build_paged_batch
+from worker.models.llama import read_context
+
+needs_kernel = pytest.mark.skipif(paged_attention._kernel() is None, reason="no AVX-512 or no C compiler here")
+CPU = torch.device("cpu")
+BLOCK = 16
+
+
+def torch_path(q, cache, batch, window):
+    """What Attention.forward computes without the kernel: [B, Q, H * D]."""
+    B, Q, H, D = q.shape
+    kv_heads = cache.shape[2]
+    buffers = [torch.empty(batch.gather_slots.numel(), kv_heads, D) for _ in range(2)]
+    keys, values = (read_context(cache[i], batch.gather_slots, buffers[i]) for i in range(2))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=batch.mask(window, q.dtype),
+                                         enable_gqa=H != kv_heads)
+    return out.transpose(1, 2).reshape(B, Q, -1)
+
+
+def example(heads, kv_heads, dim, seed=0):
+    """Three rows over scattered blocks: 5, 3 and 1 new tokens after 40, 10 and 70 cached ones."""
+    torch.manual_seed(seed)
+    cache = torch.randn(2, 64 * BLOCK, kv_heads, dim)  # [k/v, slots, kvH, D]: one layer
+    tables, starts, rows = [[5, 9, 2, 7], [1, 3], [11, 12, 13, 14, 15]], [40, 10, 70], [[1] * 5, [1] * 3, [1]]
+    batch = build_paged_batch(rows, starts, tables, BLOCK, 1, CPU)
+    # q as the model holds it: a view into the fused q/k/v projection's output
+    q = torch.randn(3, 5, heads + 2 * kv_heads, dim)[:, :, :heads]
+    return q, cache, batch
+
+
+def run_kernel(q, cache, batch, window):
+    return paged_attention.attend(q, cache[0], cache[1], batch.gather_slots, batch.positions, batch.context_lens,
+                                  window)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 32), (4, 4, 64), (16, 1, 16)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_matches_the_gather_mask_and_sdpa_path(heads, kv_heads, dim, window):
+    q, cache, batch = example(heads, kv_heads, dim)
+    torch.testing.assert_close(run_kernel(q, cache, batch, window), torch_path(q, cache, batch, window),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
+    q, cache, batch = example(8, 4, 32)
+    together = run_kernel(q, cache, batch, None)
+    alone = build_paged_batch([[1] * 3], [10], [[1, 3]], BLOCK, 1, CPU)
+    assert torch.equal(run_kernel(q[1:2, :3], cache, alone, None), together[1:2, :3])
+
+
+@needs_kernel
+def test_the_kernel_takes_what_it_can_compute_and_leaves_the_rest():
+    q, cache, _ = example(8, 4, 32)
+    assert paged_attention.runs_on(q, cache)
+    assert not paged_attention.runs_on(q.bfloat16(), cache.bfloat16())  # float32 only
+    assert not paged_attention.runs_on(torch.zeros(1, 1, 8, 24), torch.zeros(2, 4, 4, 24))  # head_dim 24
+
+
+def test_the_kernel_loads_wherever_it_can_run():
+    can_run = torch.backends.cpu.get_cpu_capability().startswith("AVX512") and shutil.which("cc")
+    assert (paged_attention._kernel() is not None) == bool(can_run)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_token_verified_among_a_drafts_gives_the_bits_it_gives_decoded_alone(window):
+    """A token's bits depend on its own context only: token 2 of 5 new ones (at position 42)
+    against the same token decoded with 42 cached before it (the gather and SDPA path differs)."""
+    q, cache, _ = example(8, 4, 32)
+    verify = build_paged_batch([[1] * 5], [40], [[5, 9, 2, 7]], BLOCK, 1, CPU)
+    alone = build_paged_batch([[1]], [42], [[5, 9, 2, 7]], BLOCK, 1, CPU)
+    together = run_kernel(q[:1], cache, verify, window)
+    assert torch.equal(run_kernel(q[:1, 2:3].contiguous(), cache, alone, window), together[:, 2:3])
