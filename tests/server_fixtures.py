@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from local_stack_path import wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key-0123456789"
@@ -72,6 +73,30 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text()[-4000:] if self.log_path.exists() else ""
+
+
+@pytest.fixture
+def gated_worker(checkpoints, tmp_path):
+    """start(*serve_flags) -> (process, url, model name): a plain worker under
+    tests/serve_with_step_gate.py, so the test decides when the engine steps; killed after the test."""
+    procs = []
+
+    def start(*flags: str):
+        port = free_port()
+        with open(tmp_path / f"worker-{len(procs)}.log", "w") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "serve_with_step_gate.py"),
+                                     "--model", checkpoints["llama"], "--no-draft", "--max-model-len", "128",
+                                     "--port", str(port), *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", 180, proc)
+        return proc, url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
 
 
 def free_port() -> int:

@@ -51,7 +51,6 @@ def test_draft_weights_are_their_own_entry_and_leave_the_kv_budget(wide_pair):
                            draft_params=module_tensor_bytes(engine.runner.models["draft"]) if d else 0,
                            entries_before_kv=sum(e.bytes for e in ledger.entries if e.component != "kv_cache"),
                            non_kv_parts=[e.bytes for e in ledger.entries if e.component != "kv_cache"])
-        print("PLAN", name, plans[name]["non_kv"] >> 20, plans[name]["budget"] >> 20, ledger.bytes_of("kv_cache") >> 20)
         # The whole budget is used: everything before the KV cache, then whole blocks.
         assert plans[name]["non_kv"] + ledger.bytes_of("kv_cache") <= plans[name]["budget"]
         assert plans[name]["budget"] - plans[name]["non_kv"] - ledger.bytes_of("kv_cache") < plans[name]["per_block"]

@@ -1,14 +1,10 @@
 """Bad input and overload: each gets its status and an OpenAI-style error body, never a 500."""
 import json
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from local_stack_path import free_port, wait_http
 
 pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 from server_fixtures import API_KEY, metric_value
@@ -18,7 +14,6 @@ pytest_plugins = ["server_fixtures"]  # the spec_server and plain_server fixture
 OK = {"model": "llama-chat", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "llama-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-HERE = Path(__file__).parent
 
 
 def check_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None):
@@ -133,34 +128,23 @@ def test_health_and_metrics_stay_open_with_an_api_key(plain_server):
     assert httpx.get(plain_server.url + "/v1/models", headers=AUTH).status_code == 200
 
 
-def test_full_waiting_queue_is_503_with_retry_after(checkpoints, tmp_path):
+def test_full_waiting_queue_is_503_with_retry_after(gated_worker):
     # One running request and one waiting slot. The engine steps only as the test allows
     # (serve_with_step_gate.py): on a fast machine the running request would finish first.
-    port = free_port()
-    with open(tmp_path / "worker.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "serve_with_step_gate.py"), "--model", checkpoints["llama"],
-                                 "--no-draft", "--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "64",
-                                 "--port", str(port)], cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", 180, proc)
-        long = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "prompt": "hello", "max_tokens": 60,
-                "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=long) as first:
-            client.post(url + "/test/steps", params={"n": 1})  # its prefill: it runs
-            deadline = time.monotonic() + 60
-            while metric_value(client.get(url + "/metrics").text, "vramledger_requests_running") != 1:
-                assert time.monotonic() < deadline, "the first request never ran"
-                time.sleep(0.05)
-            with client.stream("POST", url + "/v1/completions", json=long) as second:
-                assert second.status_code == 200  # it waits for the running request
-                refused = client.post(url + "/v1/completions", json={**long, "stream": False})
-                error = check_error(refused, 503, code="queue_full")
-                assert refused.headers["retry-after"] == "1" and "overloaded" in error["message"]
-                client.post(url + "/test/steps", params={"n": -1})
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    _, url, model = gated_worker("--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "64")
+    long = {"model": model, "prompt": "hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=long) as first:
+        client.post(url + "/test/steps", params={"n": 1})  # its prefill: it runs
+        deadline = time.monotonic() + 60
+        while metric_value(client.get(url + "/metrics").text, "vramledger_requests_running") != 1:
+            assert time.monotonic() < deadline, "the first request never ran"
+            time.sleep(0.05)
+        with client.stream("POST", url + "/v1/completions", json=long) as second:
+            assert second.status_code == 200  # it waits for the running request
+            refused = client.post(url + "/v1/completions", json={**long, "stream": False})
+            error = check_error(refused, 503, code="queue_full")
+            assert refused.headers["retry-after"] == "1" and "overloaded" in error["message"]
+            client.post(url + "/test/steps", params={"n": -1})
 
 
 def test_concurrent_bad_requests_leave_the_server_healthy(spec_server):

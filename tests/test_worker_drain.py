@@ -7,44 +7,14 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from local_stack_path import free_port, wait_http
 from server_fixtures import metric_value
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
-
-
-@pytest.fixture
-def gated_worker(checkpoints, tmp_path):
-    """Start a gated worker with the given --drain-timeout; returns (process, url, model name)."""
-    procs = []
-
-    def start(drain_timeout: float):
-        port = free_port()
-        log = open(tmp_path / "worker.log", "w")
-        proc = subprocess.Popen([sys.executable, str(HERE / "serve_with_step_gate.py"), "--model", checkpoints["llama"],
-                                 "--no-draft", "--max-model-len", "128", "--port", str(port),
-                                 "--drain-timeout", str(drain_timeout)],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", 180, proc)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        return proc, url, model
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+pytest_plugins = ["server_fixtures"]  # the gated_worker fixture
 
 
 def events(lines):
@@ -74,7 +44,7 @@ def request(model: str, stream: bool, max_tokens: int = 12) -> dict:
 
 
 def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(gated_worker):
-    proc, url, model = gated_worker(drain_timeout=120)
+    proc, url, model = gated_worker("--drain-timeout", "120")
     with httpx.Client(timeout=60) as client, \
             client.stream("POST", url + "/v1/completions", json=request(model, stream=True)) as stream:
         assert stream.status_code == 200
@@ -106,7 +76,7 @@ def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(gated_w
 
 
 def test_requests_still_running_at_the_drain_timeout_are_aborted(gated_worker):
-    proc, url, model = gated_worker(drain_timeout=1)
+    proc, url, model = gated_worker("--drain-timeout", "1")
     results = {}
 
     def whole_response():
@@ -139,7 +109,7 @@ def test_requests_still_running_at_the_drain_timeout_are_aborted(gated_worker):
 
 
 def test_sigterm_on_an_idle_worker_exits_0_at_once(gated_worker):
-    proc, url, _ = gated_worker(drain_timeout=120)
+    proc, url, _ = gated_worker("--drain-timeout", "120")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0  # nothing in flight: far sooner than the 120 s drain timeout
     with pytest.raises(httpx.TransportError):

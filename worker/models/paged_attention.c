@@ -77,13 +77,16 @@ void paged_attention(const float *q, int64_t q_stride, const float *keys, const 
                      int64_t Q, int64_t C, int64_t heads, int64_t kv_heads, int64_t D, int64_t window,
                      float scale, float *out, int threads) {
   const int64_t shared = heads / kv_heads, vectors = D / 16, per_task = Q * shared;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+  /* Per (query token, head): the running sum of weighted values, its maximum score and total;
+   * allocated once per thread, reset per task. */
+  __m512 *acc = _mm_malloc(per_task * vectors * sizeof(__m512), 64);
+  float *best = malloc(2 * per_task * sizeof(float)), *total = best + per_task;
+  int64_t *start = malloc(2 * Q * sizeof(int64_t)), *end = start + Q;
+#pragma omp for schedule(static)
   for (int64_t task = 0; task < B * kv_heads; task++) {
     const int64_t b = task / kv_heads, g = task % kv_heads;
-    /* Per (query token, head): the running sum of weighted values, its maximum score and total. */
-    __m512 *acc = _mm_malloc(per_task * vectors * sizeof(__m512), 64);
-    float *best = malloc(2 * per_task * sizeof(float)), *total = best + per_task;
-    int64_t *start = malloc(2 * Q * sizeof(int64_t)), *end = start + Q;
     int64_t first = C, last = 0;
     for (int64_t i = 0; i < Q; i++) {
       visible(positions[b * Q + i], lengths[b], window, &start[i], &end[i]);
@@ -139,8 +142,9 @@ void paged_attention(const float *q, int64_t q_stride, const float *keys, const 
       const __m512 inverse = _mm512_set1_ps(total[j] > 0.0f ? 1.0f / total[j] : 0.0f);
       for (int64_t x = 0; x < vectors; x++) _mm512_storeu_ps(o + 16 * x, _mm512_mul_ps(acc[j * vectors + x], inverse));
     }
-    _mm_free(acc);
-    free(best);
-    free(start);
+  }
+  _mm_free(acc);
+  free(best);
+  free(start);
   }
 }

@@ -15,6 +15,7 @@ import torch
 
 from worker.models import native
 
+
 @functools.cache
 def _kernel():
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
