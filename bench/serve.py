@@ -2,7 +2,7 @@
 serve` and our worker, on the shipped pair, one server at a time, in one run.
 
     python bench/serve.py [--concurrency 1,4,16,32] [--requests-per-stream 3] [--servers NAME,...]
-                          [--prompt-tokens 32] [--output-tokens 128] [--no-build-vllm] [--observing]
+                          [--prompt-tokens 32] [--output-tokens 128] [--rounds 1] [--no-build-vllm] [--observing]
 
 Servers: vLLM plain and with our draft (k=4, `--speculative-config`), `transformers serve` in both of
 its modes (the table keeps the better one per concurrency), ours plain and with the draft (k=4, and
@@ -13,6 +13,12 @@ concurrency (concurrent streams, synthetic prompts, chat completions, temperatur
 so every request makes the same number of tokens), and stopped before the next one starts.
 Prints guidellm's mean output tokens/s per concurrency, the errored requests, the speculative
 acceptance rate read from each server's /metrics, and every figure's ratio to vLLM plain.
+
+--rounds N measures every server N times, each round in a rotated order (no server always goes
+first), and prints each round's figures, then each ratio's min/median/max over the rounds (taken
+round by round: a ratio only ever compares two servers measured minutes apart) and in how many
+rounds each of issue 14's goals held: ours plain >= 1.0x at every concurrency; ours with the
+draft >= 1.6x at 1 stream, >= 1.2x at 16 and never below ours plain.
 
 vLLM's CPU build lives in a venv of its own (scripts/vllm_venv.sh, `make vllm-venv`); this script
 builds it when it is missing (unless --no-build-vllm) and says so when it cannot. guidellm is taken
@@ -390,6 +396,66 @@ def print_report(results: dict, observing, args) -> None:
                   f"{observing['scrape_p99'] * 1000:.1f} ms ({observing['scrapes']} scrapes)")
 
 
+def goals(round_results: dict, cs: list[int]) -> dict[str, bool | None]:
+    """Issue 14's goals in one round; None where a figure it needs is missing."""
+    def tok_s(name: str, c: int) -> float | None:
+        r = round_results.get(name)
+        row = r["rows"].get(c) if isinstance(r, dict) else None
+        return row["tok_s"] if row else None
+
+    def holds(pairs: list[tuple[float | None, float | None, float]]) -> bool | None:
+        if any(a is None or b is None for a, b, _ in pairs):
+            return None
+        return all(a >= factor * b for a, b, factor in pairs)
+
+    draft = next((n for n in ("ours-draft-adaptive", "ours-draft") if n in round_results), None)
+    out = {"ours plain >= 1.0x vLLM at every concurrency":
+           holds([(tok_s("ours", c), tok_s("vllm", c), 1.0) for c in cs])}
+    if draft is not None:
+        out[f"{LABELS[draft]} >= 1.6x at 1 stream"] = holds([(tok_s(draft, 1), tok_s("vllm", 1), 1.6)])
+        out[f"{LABELS[draft]} >= 1.2x at 16 streams"] = holds([(tok_s(draft, 16), tok_s("vllm", 16), 1.2)])
+        out[f"{LABELS[draft]} never below ours plain"] = holds([(tok_s(draft, c), tok_s("ours", c), 1.0)
+                                                               for c in cs])
+    return out
+
+
+def print_spread(rounds: list[dict], args) -> None:
+    """Each round's tok/s, each ratio to vLLM plain as min/median/max over rounds, the goals' tally."""
+    cs = list(args.concurrency)
+    names = [n for n in SERVERS if any(n in r for r in rounds)]
+    print(f"\n{len(rounds)} rounds, servers in a rotated order each round; tok/s at "
+          + "/".join(map(str, cs)) + " streams\n")
+    print("| server | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " |")
+    print("|---" * (len(rounds) + 1) + "|")
+    for name in names:
+        cells = []
+        for r in rounds:
+            res = r.get(name)
+            cells.append("/".join(f"{res['rows'][c]['tok_s']:.0f}" if c in res["rows"] else "n/a" for c in cs)
+                         if isinstance(res, dict) else "n/a")
+        print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
+    print("\nratio to vLLM plain in the same round, min / median / max over the rounds\n")
+    print("| server | " + " | ".join(f"{c}" for c in cs) + " |")
+    print("|---" * (len(cs) + 1) + "|")
+    for name in names:
+        cells = []
+        for c in cs:
+            ratios = [r[name]["rows"][c]["tok_s"] / r["vllm"]["rows"][c]["tok_s"] for r in rounds
+                      if all(isinstance(r.get(n), dict) and c in r[n]["rows"] for n in (name, "vllm"))]
+            cells.append(f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}"
+                         if ratios else "n/a")
+        print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
+    tallies: dict[str, list[bool | None]] = {}
+    for r in rounds:
+        for goal, held in goals(r, cs).items():
+            tallies.setdefault(goal, []).append(held)
+    print("\nissue 14's goals, rounds where each held")
+    for goal, held in tallies.items():
+        measured = [h for h in held if h is not None]
+        print(f"  {goal}: {sum(measured)} of {len(measured)}"
+              + (f" ({len(held) - len(measured)} without a figure)" if len(measured) < len(held) else ""))
+
+
 def guidellm_version() -> str:
     from importlib import metadata
     try:
@@ -414,8 +480,12 @@ def main() -> int:
                         help=f"a subset of {','.join(SERVERS)}")
     parser.add_argument("--no-build-vllm", action="store_true", help="skip vLLM when its venv is missing")
     parser.add_argument("--observing", action="store_true", help="also measure the cost of observing")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every server this many times, order rotated each round; print the spread")
     parser.add_argument("--json", metavar="FILE", help="also write the raw results here")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     unknown = set(args.servers) - set(SERVERS)
     if unknown:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {','.join(SERVERS)}")
@@ -429,14 +499,23 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         logdir = Path(tmp)
-        results = {}
-        for name, server in build_servers(args, free_port).items():
-            results[name] = server if isinstance(server, str) else measure(server, guidellm, args, logdir)
-            print(f"  {name}: {json.dumps(results[name], default=str)}", file=sys.stderr, flush=True)
+        servers = build_servers(args, free_port)
+        rounds = []
+        for i in range(args.rounds):
+            names = list(servers)[i % len(servers):] + list(servers)[:i % len(servers)]
+            results = {}
+            for name in names:
+                server = servers[name]
+                results[name] = server if isinstance(server, str) else measure(server, guidellm, args, logdir)
+                print(f"  round {i + 1} {name}: {json.dumps(results[name], default=str)}", file=sys.stderr,
+                      flush=True)
+            rounds.append(results)
         observing = observing_cost(args, guidellm, logdir) if args.observing else None
-        print_report(results, observing, args)
+        print_report(rounds[-1], observing, args)
+        if args.rounds > 1:
+            print_spread(rounds, args)
         if args.json:
-            Path(args.json).write_text(json.dumps({"results": results, "observing": observing}, indent=1,
+            Path(args.json).write_text(json.dumps({"rounds": rounds, "observing": observing}, indent=1,
                                                   default=str))
     return 0
 
