@@ -7,7 +7,7 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.speculation import Speculation
+from worker.engine.speculation import MAX_DRAFT_LAG, Speculation
 from worker.models.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -53,6 +53,26 @@ def test_greedy_with_k_changing_every_step_equals_greedy_plain(checkpoints, batc
     assert [r[0] for r in spec.generate(prompts(batch), GREEDY)] == [r[0] for r in plain]
     assert spec.stats.acceptance_rate == 1.0  # a draft out of step would propose other tokens
     assert spec.stats.draft_tokens < 4 * spec.stats.drafts  # steps did propose fewer than K
+
+
+def test_plain_steps_keep_the_draft_within_the_lag_bound(checkpoints):
+    """Long runs of plain steps feed the draft what it missed, MAX_DRAFT_LAG tokens at a time;
+    the proposals after them are still the target's own tokens (all accepted) and exact."""
+    params = SamplingParams(max_tokens=2 * MAX_DRAFT_LAG + 8, temperature=0, ignore_eos=True)
+    plain = engine(checkpoints["llama"]).generate(prompts(8), params)
+    spec = engine(checkpoints["llama"], checkpoints["llama"])
+    spec.speculation = Scripted([4] + [0] * (2 * MAX_DRAFT_LAG) + [2])
+    lags, step = [], spec.step
+
+    def step_and_measure():
+        outputs = step()
+        lags.extend(len(s) - s.num_draft_cached for s in spec.scheduler.running)
+        return outputs
+
+    spec.step = step_and_measure
+    assert [r[0] for r in spec.generate(prompts(8), params)] == [r[0] for r in plain]
+    assert max(lags) == MAX_DRAFT_LAG  # the next plain step feeds it these tokens
+    assert spec.stats.acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])

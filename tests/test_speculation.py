@@ -5,6 +5,7 @@ import pytest
 
 from worker.engine.speculation import (
     MAX_DRAFT_LAG,
+    PROBE_EVERY,
     Acceptance,
     AdaptiveSpeculation,
     Speculation,
@@ -106,13 +107,14 @@ def test_k_comes_back_when_acceptance_recovers(policy):
     assert spec.current == K
 
 
-def test_k_never_exceeds_the_bound_and_the_draft_never_lags_too_far(policy):
+def test_k_never_exceeds_the_bound_and_proposals_never_stop_for_long(policy):
     spec, clock = policy
     chosen = []
     for batch, alpha in [(1, 0.0), (32, 0.0), (3, 0.5), (16, 0.99)]:
         chosen += drive(spec, clock, 150, batch, step_cost(0.2, 1.0, 0.3), alpha, random.Random(5))
     assert set(chosen) <= set(range(K + 1)) and set(chosen) == set(range(K + 1))
-    assert longest_plain_run(chosen) == MAX_DRAFT_LAG
+    # Probes keep proposing while k=0 pays best, so the acceptance rate stays measured.
+    assert MAX_DRAFT_LAG < longest_plain_run(chosen) < PROBE_EVERY
 
 
 def test_a_slow_first_step_is_not_taken_as_the_cost(policy):

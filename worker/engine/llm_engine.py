@@ -21,7 +21,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify
-from worker.engine.speculation import speculation_policy
+from worker.engine.speculation import MAX_DRAFT_LAG, speculation_policy
 from worker.memory.device import get_device
 from worker.memory.ledger import Ledger, format_table, summary_line
 from worker.memory.profiler import measure_held, measure_weights
@@ -203,9 +203,20 @@ class LLMEngine:
                                      [s.block_table for s in seqs], 1)[:, 0]
         for s in seqs:
             s.num_cached = len(s)
+        self._draft_catch_up([s for s in seqs if len(s) - s.num_draft_cached >= MAX_DRAFT_LAG])
         rp = self._rows(seqs)
         tokens = sample(probabilities(logits, rp), rp)
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
+
+    def _draft_catch_up(self, seqs: list[Sequence]) -> None:
+        """The draft reads the tokens of the plain steps it missed (no logits): one forward per
+        MAX_DRAFT_LAG plain steps keeps its next proposal's catch-up within what the profile ran."""
+        if not (self.max_k and seqs):
+            return
+        self.runner.forward("draft", [s.token_ids[s.num_draft_cached:] for s in seqs],
+                            [s.num_draft_cached for s in seqs], [s.block_table for s in seqs], 0)
+        for s in seqs:
+            s.num_draft_cached = len(s)
 
     def _decode_speculative(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[int], list]:
         B, dev = len(seqs), self.device.torch_device

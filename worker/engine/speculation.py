@@ -13,8 +13,10 @@ from collections import deque
 from collections.abc import Callable
 
 PROBE_EVERY = 32  # steps of a bucket between probes of another k: costs drift with context and load
-MAX_DRAFT_LAG = 16  # plain steps in a row at most: the draft catches up on them in its next step
+MAX_DRAFT_LAG = 16  # tokens the draft may fall behind: a plain step this far behind catches it up
 COST_WINDOW = 5  # step times kept per (bucket, k): a slow step (contention, warm-up) is outlived
+MIN_GAIN = 1.1  # proposals must promise this many times plain's tokens per second: near break-even,
+# the estimates' noise (costs measured minutes apart, at other context lengths) decides, and loses
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
 
 
@@ -112,7 +114,6 @@ class AdaptiveSpeculation(Speculation):
         self.acceptance = Acceptance()
         self.costs = StepCosts()
         self._steps: dict[int, int] = {}  # decode steps seen per bucket
-        self._plain_in_a_row = 0
 
     def choose(self, batch_size: int) -> int:
         b, K = bucket(batch_size), self.max_k
@@ -120,22 +121,21 @@ class AdaptiveSpeculation(Speculation):
         # Both ends are measured first (K also measures acceptance): the costs between are interpolated.
         if not self.costs.known(b, K):
             return K
-        if self._plain_in_a_row >= MAX_DRAFT_LAG:
-            return self._best(b, range(1, K + 1))
         if not self.costs.known(b, 0):
             return 0
         if n % PROBE_EVERY == 0:  # each k in turn, so no estimate goes stale
             return n // PROBE_EVERY % (K + 1)
-        self.current = self._best(b, range(K + 1))
+        self.current = self._best(b)
         return self.current
 
-    def _best(self, b: int, ks: range) -> int:
+    def _best(self, b: int) -> int:
         alpha = self.acceptance.rate or 0.0
-        return max(ks, key=lambda k: expected_tokens(alpha, k) / self.costs.estimate(b, k))
+        rate = {k: expected_tokens(alpha, k) / self.costs.estimate(b, k) for k in range(self.max_k + 1)}
+        best = max(rate, key=rate.get)
+        return best if rate[best] >= MIN_GAIN * rate[0] else 0
 
     def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
         self.costs.observe(bucket(batch_size), k, seconds / batch_size)
-        self._plain_in_a_row = self._plain_in_a_row + 1 if k == 0 else 0
         if k:
             self.acceptance.observe(k, num_accepted)
 
