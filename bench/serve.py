@@ -396,12 +396,16 @@ def print_report(results: dict, observing, args) -> None:
                   f"{observing['scrape_p99'] * 1000:.1f} ms ({observing['scrapes']} scrapes)")
 
 
+def tok_s(result, c: int) -> float | None:
+    """One server's tok/s at c streams in one round; None when it failed or lacks that row."""
+    row = result["rows"].get(c) if isinstance(result, dict) else None
+    return row["tok_s"] if row else None
+
+
 def goals(round_results: dict, cs: list[int]) -> dict[str, bool | None]:
     """Issue 14's goals in one round; None where a figure it needs is missing."""
-    def tok_s(name: str, c: int) -> float | None:
-        r = round_results.get(name)
-        row = r["rows"].get(c) if isinstance(r, dict) else None
-        return row["tok_s"] if row else None
+    def at(name: str, c: int) -> float | None:
+        return tok_s(round_results.get(name), c)
 
     def holds(pairs: list[tuple[float | None, float | None, float]]) -> bool | None:
         if any(a is None or b is None for a, b, _ in pairs):
@@ -410,12 +414,11 @@ def goals(round_results: dict, cs: list[int]) -> dict[str, bool | None]:
 
     draft = next((n for n in ("ours-draft-adaptive", "ours-draft") if n in round_results), None)
     out = {"ours plain >= 1.0x vLLM at every concurrency":
-           holds([(tok_s("ours", c), tok_s("vllm", c), 1.0) for c in cs])}
+           holds([(at("ours", c), at("vllm", c), 1.0) for c in cs])}
     if draft is not None:
-        out[f"{LABELS[draft]} >= 1.6x at 1 stream"] = holds([(tok_s(draft, 1), tok_s("vllm", 1), 1.6)])
-        out[f"{LABELS[draft]} >= 1.2x at 16 streams"] = holds([(tok_s(draft, 16), tok_s("vllm", 16), 1.2)])
-        out[f"{LABELS[draft]} never below ours plain"] = holds([(tok_s(draft, c), tok_s("ours", c), 1.0)
-                                                               for c in cs])
+        out[f"{LABELS[draft]} >= 1.6x at 1 stream"] = holds([(at(draft, 1), at("vllm", 1), 1.6)])
+        out[f"{LABELS[draft]} >= 1.2x at 16 streams"] = holds([(at(draft, 16), at("vllm", 16), 1.2)])
+        out[f"{LABELS[draft]} never below ours plain"] = holds([(at(draft, c), at("ours", c), 1.0) for c in cs])
     return out
 
 
@@ -428,11 +431,8 @@ def print_spread(rounds: list[dict], args) -> None:
     print("| server | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " |")
     print("|---" * (len(rounds) + 1) + "|")
     for name in names:
-        cells = []
-        for r in rounds:
-            res = r.get(name)
-            cells.append("/".join(f"{res['rows'][c]['tok_s']:.0f}" if c in res["rows"] else "n/a" for c in cs)
-                         if isinstance(res, dict) else "n/a")
+        cells = ["/".join("n/a" if tok_s(r.get(name), c) is None else f"{tok_s(r.get(name), c):.0f}" for c in cs)
+                 if isinstance(r.get(name), dict) else "n/a" for r in rounds]
         print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
     print("\nratio to vLLM plain in the same round, min / median / max over the rounds\n")
     print("| server | " + " | ".join(f"{c}" for c in cs) + " |")
@@ -440,8 +440,8 @@ def print_spread(rounds: list[dict], args) -> None:
     for name in names:
         cells = []
         for c in cs:
-            ratios = [r[name]["rows"][c]["tok_s"] / r["vllm"]["rows"][c]["tok_s"] for r in rounds
-                      if all(isinstance(r.get(n), dict) and c in r[n]["rows"] for n in (name, "vllm"))]
+            ratios = [tok_s(r.get(name), c) / tok_s(r.get("vllm"), c) for r in rounds
+                      if tok_s(r.get(name), c) is not None and tok_s(r.get("vllm"), c)]
             cells.append(f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}"
                          if ratios else "n/a")
         print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")

@@ -203,7 +203,7 @@ class LLMEngine:
                                      [s.block_table for s in seqs], 1)[:, 0]
         for s in seqs:
             s.num_cached = len(s)
-        if any(len(s) - s.num_draft_cached >= MAX_DRAFT_LAG for s in seqs):
+        if self.max_k and any(len(s) - s.num_draft_cached >= MAX_DRAFT_LAG for s in seqs):
             self._draft_catch_up([s for s in seqs if s.num_draft_cached < len(s)])
         rp = self._rows(seqs)
         tokens = sample(probabilities(logits, rp), rp)
@@ -214,8 +214,6 @@ class LLMEngine:
         MAX_DRAFT_LAG plain steps keeps its next proposal's catch-up within what the profile ran.
         Every row behind comes along, so the rows stay in step and one plain step in MAX_DRAFT_LAG
         pays for it (a plain step's cost is what adaptive speculation weighs proposals against)."""
-        if not (self.max_k and seqs):
-            return
         self.runner.forward("draft", [s.token_ids[s.num_draft_cached:] for s in seqs],
                             [s.num_draft_cached for s in seqs], [s.block_table for s in seqs], 0)
         for s in seqs:
