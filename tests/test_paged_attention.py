@@ -44,7 +44,7 @@ def run_kernel(q, cache, batch, window):
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 32), (4, 4, 64), (16, 1, 16)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 32), (4, 4, 64), (16, 1, 16), (4, 2, 128), (4, 2, 48)])
 @pytest.mark.parametrize("window", [None, 7])
 def test_matches_the_gather_mask_and_sdpa_path(heads, kv_heads, dim, window):
     q, cache, batch = example(heads, kv_heads, dim)
@@ -63,9 +63,13 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
 @needs_kernel
 def test_the_kernel_takes_what_it_can_compute_and_leaves_the_rest():
     q, cache, _ = example(8, 4, 32)
-    assert paged_attention.runs_on(q, cache)
-    assert not paged_attention.runs_on(q.bfloat16(), cache.bfloat16())  # float32 only
-    assert not paged_attention.runs_on(torch.zeros(1, 1, 8, 24), torch.zeros(2, 4, 4, 24))  # head_dim 24
+    assert paged_attention.runs_on(q, cache, 80)
+    assert not paged_attention.runs_on(q.bfloat16(), cache.bfloat16(), 80)  # float32 only
+    assert not paged_attention.runs_on(torch.zeros(1, 1, 8, 24), torch.zeros(2, 4, 4, 24), 80)  # head_dim 24
+    assert not paged_attention.runs_on(torch.zeros(1, 1, 2, 256), torch.zeros(2, 4, 2, 256), 80)  # over 128
+    # A long prompt over a sliding window would need its scores for every token at once: SDPA.
+    assert paged_attention.runs_on(torch.zeros(1, 5, 32, 128), torch.zeros(2, 4, 8, 128), 8192)
+    assert not paged_attention.runs_on(torch.zeros(1, 2048, 32, 128), torch.zeros(2, 4, 8, 128), 2048)
 
 
 def test_the_kernel_loads_wherever_it_can_run():

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models import paged_attention, rms_norm
+from worker.models import paged_attention, rms_norm, rotate_store
 from worker.models.attention import PagedBatch
 from worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
 from worker.models.rope import RotaryEmbedding, rotate_
@@ -100,18 +100,24 @@ class Attention(nn.Module):
         B, Q, _ = x.shape
         H, kvH = self.num_heads, self.num_kv_heads
         heads = linear(x, self.qkv_weight, self.qkv_bias).view(B, Q, H + 2 * kvH, self.head_dim)
-        rotate_(heads[:, :, :H + kvH], cos, sin)  # q and k in place, in one rotation
-        q, k, v = heads.split([H, kvH, kvH], 2)
-        # Write the new keys/values; then attend to the context (read through the block table).
-        self.write_kv(kv_cache, self.layer, batch.write_slots,
-                      real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
+        # Rotate q and k in place and write the new keys/values; then attend to the context (read
+        # through the block table).
+        if rotate_store.runs_on(heads, kv_cache):
+            rotate_store.rotate_store(heads, H, cos, sin, kv_cache[0, self.layer], kv_cache[1, self.layer],
+                                      batch.write_slots, batch.write_rows)
+            q, k, v = heads.split([H, kvH, kvH], 2)
+        else:
+            rotate_(heads[:, :, :H + kvH], cos, sin)  # q and k in one rotation
+            q, k, v = heads.split([H, kvH, kvH], 2)
+            self.write_kv(kv_cache, self.layer, batch.write_slots,
+                          real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
         gqa = H != kvH
         if batch.from_start and self.window is None:
             # The context is these tokens: no read, and no [B, Q, C] mask (16 MiB at 2048 tokens).
             # Padded queries see padding keys; their outputs are never read.
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa)
-        elif Q == 1 and paged_attention.runs_on(q, kv_cache):  # decode; SDPA verifies faster (README)
+        elif paged_attention.runs_on(q, kv_cache, batch.gather_slots.shape[1]):  # decode and verify
             out = paged_attention.attend(q, kv_cache[0, self.layer], kv_cache[1, self.layer], batch.gather_slots,
                                          batch.positions, batch.context_lens, self.window)
             return linear(out, self.o_proj.weight, self.o_proj.bias)

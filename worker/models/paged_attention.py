@@ -16,6 +16,9 @@ import torch
 from worker.models import native
 
 
+MAX_SCRATCH = 16 << 20  # bytes of scores a thread holds for one row (paged_attention.c)
+
+
 @functools.cache
 def _kernel():
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
@@ -24,10 +27,13 @@ def _kernel():
                            pointer, ctypes.c_int)
 
 
-def runs_on(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether the kernel can attend q [B, Q, H, D] over this cache (float32 CPU, eager, D a
-    multiple of 16)."""
-    return (q.dtype == cache.dtype == torch.float32 and q.device.type == "cpu" and q.shape[3] % 16 == 0
+def runs_on(q: torch.Tensor, cache: torch.Tensor, context: int) -> bool:
+    """Whether the kernel can attend q [B, Q, H, D] over `context` positions of this cache (float32
+    CPU, eager, D a multiple of 16 up to 128, and a thread's scores for one row within MAX_SCRATCH:
+    a long prompt over a sliding window goes to SDPA)."""
+    B, Q, H, D = q.shape
+    return (q.dtype == cache.dtype == torch.float32 and q.device.type == "cpu" and D % 16 == 0 and D <= 128
+            and Q * H * (context + 32) * 4 <= MAX_SCRATCH
             and not torch.compiler.is_compiling() and _kernel() is not None)
 
 
