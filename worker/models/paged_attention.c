@@ -6,14 +6,14 @@
  *
  * The time goes in reading the cache, not in arithmetic: at 32 rows the shipped target's keys and
  * values are ~26 MB a step, more than the L3 cache holds once the weights are in it. So a task
- * (one row, one key/value head) first lists where every key and value it reads sits, then
- * prefetches them AHEAD chunks before it reads them: a block table scatters blocks, which the
- * hardware prefetchers cannot follow. Scores go to a scratch row, in chunks of 16 positions
- * aligned to absolute positions (16 dot products summed in one tree, sum16); each query head then
- * takes its maximum, its weights and their sum in one pass, and sums the weighted values with its
- * accumulators in registers (two banks, even and odd positions, so that the adds do not wait on
- * each other). The heads that share a key/value head and all of a row's query tokens share the
- * reads. A token's chunks and their order depend only on its own visible range: a row alone and
+ * (one row's key/value heads, so that a position's keys are one contiguous run) first lists where
+ * every key and value it reads sits, then prefetches them into L2 AHEAD chunks before it reads
+ * them: a block table scatters blocks, which the hardware prefetchers cannot follow. Scores go to
+ * a scratch row, in chunks of 16 positions aligned to absolute positions (16 dot products summed
+ * in one tree, sum16); each query head then takes its maximum, its weights and their sum in one
+ * pass, and sums the weighted values with its accumulators in registers (two banks, even and odd
+ * positions, so that the adds do not wait on each other). The heads that share a key/value head
+ * and all of a row's query tokens share the reads. A token's chunks and their order depend only on its own visible range: a row alone and
  * in a batch, or a token decoded alone and verified among a draft's, give the same bits.
  * Built and loaded by native.py; threads come from torch's OpenMP pool.
  */
@@ -113,9 +113,8 @@ static void weighted_values_any(const float *w, const float *const *v, int64_t o
   }
 }
 
-/* The first `lines` cache lines at each of 16 positions. */
 static __m512 chunk_scores_any(const float *query, const float *const *k, int64_t offset, int64_t vectors) {
-  switch (vectors) {
+  switch (vectors) {  /* as weighted_values_any */
     case 1: return chunk_scores(query, k, offset, 1);
     case 2: return chunk_scores(query, k, offset, 2);
     case 4: return chunk_scores(query, k, offset, 4);
@@ -124,6 +123,7 @@ static __m512 chunk_scores_any(const float *query, const float *const *k, int64_
   }
 }
 
+/* The first `lines` cache lines at each of 16 positions, into L2 (into L1 the prefetches stalled). */
 static inline void prefetch(const float *const *at, int64_t lines) {
   for (int c = 0; c < CHUNK; c++)
     for (int64_t x = 0; x < lines; x++) _mm_prefetch((const char *)(at[c] + 16 * x), _MM_HINT_T1);
