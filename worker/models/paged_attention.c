@@ -13,8 +13,9 @@
  * in one tree, sum16); each query head then takes its maximum, its weights and their sum in one
  * pass, and sums the weighted values with its accumulators in registers (two banks, even and odd
  * positions, so that the adds do not wait on each other). The heads that share a key/value head
- * and all of a row's query tokens share the reads. A token's chunks and their order depend only on its own visible range: a row alone and
- * in a batch, or a token decoded alone and verified among a draft's, give the same bits.
+ * and all of a row's query tokens share the reads. A token's chunks and their order depend only on
+ * its own visible range: a row alone and in a batch, or a token decoded alone and verified among a
+ * draft's, give the same bits.
  * Built and loaded by native.py; threads come from torch's OpenMP pool.
  */
 #include <immintrin.h>
