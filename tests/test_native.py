@@ -43,6 +43,17 @@ def test_a_changed_source_gets_a_library_of_its_own(tmp_path):
     assert native.build(source, into=tmp_path / "cache") != one
 
 
+def test_a_changed_header_beside_the_source_gets_a_library_of_its_own(tmp_path):
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler")
+    source, header = tmp_path / "k.c", tmp_path / "k.h"
+    source.write_text('#include "k.h"\nint k(void) { return K; }\n')
+    header.write_text("#define K 1\n")
+    one = native.build(source, into=tmp_path / "cache")
+    header.write_text("#define K 2\n")
+    assert native.build(source, into=tmp_path / "cache") != one
+
+
 def test_without_a_compiler_torch_ops_run_and_the_log_says_why(monkeypatch, tmp_path, caplog, fresh_loads):
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

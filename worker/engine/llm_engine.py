@@ -16,7 +16,7 @@ from worker.engine.memory_setup import plan_memory
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from worker.engine.penalties import History
-from worker.engine.sampler import RowParams, probabilities, sample, top_logprobs
+from worker.engine.sampler import RowParams, draw, probabilities, sample, top_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
@@ -194,7 +194,7 @@ class LLMEngine:
             self.stats.prompt_tokens += len(s) - s.num_cached
             s.num_cached = s.num_draft_cached = len(s)
         rp = self._rows(seqs)
-        tokens = sample(probabilities(logits, rp), rp)
+        tokens = draw(logits, rp)
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
     def _decode_plain(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -206,7 +206,7 @@ class LLMEngine:
         if self.max_k and any(len(s) - s.num_draft_cached >= MAX_DRAFT_LAG for s in seqs):
             self._draft_catch_up([s for s in seqs if s.num_draft_cached < len(s)])
         rp = self._rows(seqs)
-        tokens = sample(probabilities(logits, rp), rp)
+        tokens = draw(logits, rp)
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
     def _draft_catch_up(self, seqs: list[Sequence]) -> None:

@@ -1,10 +1,14 @@
 """Turning logits into probabilities and tokens, per request, without host syncs."""
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 
 from worker.engine.penalties import History
 from worker.engine.sampling_params import SamplingParams
+from worker.models import native
 
 
 class RowParams:
@@ -16,6 +20,7 @@ class RowParams:
         other such rows in one call (None: torch's default generator)."""
         self.greedy = torch.tensor([p.greedy for p in params], device=device)
         self.all_greedy = bool(self.greedy.all())
+        self.any_greedy = any(p.greedy for p in params)
         self.temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                                         device=device)
         self.top_k = torch.tensor([p.top_k for p in params], device=device)
@@ -29,7 +34,7 @@ class RowParams:
         """The same settings for n positions per row (rows repeated, row-major)."""
         out = object.__new__(RowParams)
         out.greedy = self.greedy.repeat_interleave(n)
-        out.all_greedy = self.all_greedy
+        out.all_greedy, out.any_greedy = self.all_greedy, self.any_greedy
         out.temperature = self.temperature.repeat_interleave(n)
         out.top_k = self.top_k.repeat_interleave(n)
         out.top_p = self.top_p.repeat_interleave(n)
@@ -96,6 +101,29 @@ def sample(probs: torch.Tensor, rows: RowParams) -> torch.Tensor:
     if rows.all_greedy:
         return greedy_tokens
     return torch.where(rows.greedy, greedy_tokens, inverse_cdf(probs, uniforms(rows, probs.device)))
+
+
+@functools.cache
+def _draw_kernel():
+    pointer = ctypes.c_void_p
+    return native.function("draw_tokens", "draw_tokens", pointer, ctypes.c_int64, ctypes.c_int64, pointer,
+                           pointer, pointer)
+
+
+def draw(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """[N, V] logits -> [N] tokens: `sample(probabilities(logits, rows), rows)`, in one C call
+    (draw_tokens.c) where every row only samples at a temperature: float32 on an AVX-512 CPU, no
+    greedy row, no penalty, top-k or top-p. Same uniforms, same law; the last bits of the weights
+    differ, so a seeded request may draw another token than the torch path would."""
+    if (rows.any_greedy or rows.needs_filter or rows.history is not None or logits.device.type != "cpu"
+            or logits.dtype != torch.float32 or _draw_kernel() is None):
+        return sample(probabilities(logits, rows), rows)
+    logits, u = logits.contiguous(), uniforms(rows, logits.device)
+    temperature = rows.temperature.to(torch.float32).contiguous()
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    _draw_kernel()(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature.data_ptr(), u.data_ptr(),
+                   tokens.data_ptr())
+    return tokens
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int

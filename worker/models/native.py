@@ -1,9 +1,10 @@
-"""The CPU kernels this project writes in C (blocked_linear.c, rms_norm.c): built and loaded here.
+"""The CPU kernels this project writes in C (worker/models/*.c): built and loaded here.
 
 Each source is compiled on first use with the system's C compiler (under a second) into
-~/.cache/vramledger/kernels, named by a hash of the source and flags, and loaded with ctypes after
-torch, so the kernels' OpenMP threads are torch's own pool. They need AVX-512; where that or the
-compiler is missing, `load` returns None (saying why once) and callers keep torch's ops.
+~/.cache/vramledger/kernels, named by a hash of the source, the headers beside it and the flags,
+and loaded with ctypes after torch, so the kernels' OpenMP threads are torch's own pool. They need
+AVX-512; where that or the compiler is missing, `load` returns None (saying why once) and callers
+keep torch's ops.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def cache_dir() -> Path:
 def build(source: Path, into: Path | None = None) -> Path:
     """The shared library for this source and flags, compiled unless the cache already holds it."""
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    # The headers beside the source count too: a change to one rebuilds every kernel.
+    text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
+    key = hashlib.sha256(text + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     into = into or cache_dir()
     into.mkdir(parents=True, exist_ok=True)
     library = into / f"{source.stem}-{key}.so"
