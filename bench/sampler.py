@@ -1,11 +1,15 @@
-"""The sampler's draw: one inverse-CDF draw per row against the exponential race (issue 14).
+"""The sampler's draw: one inverse-CDF draw per row against the exponential race (issue 14), and a
+plain step's sampling from logits: torch's ops against draw_tokens.c.
 
     python bench/sampler.py [--rows 1,16,80] [--vocab 2048]
 
-Both draw a token from each row of a [rows, vocab] probability matrix: the race divides by one
-Exp(1) draw per vocabulary entry and takes the argmax; inverse_cdf draws one uniform per row and
-searches the cumulative sum. 80 rows is a verify step of 16 sequences at k=4. Calls alternate;
-prints min/median/max microseconds per call and the ratio of medians.
+Both draws take a token from each row of a [rows, vocab] probability matrix: the race divides by
+one Exp(1) draw per vocabulary entry and takes the argmax; inverse_cdf draws one uniform per row
+and searches the cumulative sum. 80 rows is a verify step of 16 sequences at k=4. A plain step
+starts from logits at temperature 1.0: `sample(probabilities(...))` (divide, softmax, cumsum,
+search) against `draw` (one C call where the CPU has AVX-512), with glibc's mmap threshold pinned
+as the worker pins it. Calls alternate; prints
+min/median/max microseconds per call and the ratio of medians.
 """
 from __future__ import annotations
 
@@ -14,7 +18,10 @@ import argparse
 import torch
 from alternating import alternate, ratio, spread
 
-from worker.engine.sampler import inverse_cdf
+from worker.engine import sampler
+from worker.engine.sampler import RowParams, draw, inverse_cdf, probabilities, sample
+from worker.engine.sampling_params import SamplingParams
+from worker.memory.device import fix_mmap_threshold
 
 
 def main() -> None:
@@ -36,6 +43,17 @@ def main() -> None:
         race, cdf = times["exponential race"], times["inverse CDF"]
         print(f"{rows:3} rows: race {spread(race)} us | inverse CDF {spread(cdf)} us | {ratio(race, cdf):.1f}x",
               flush=True)
+    if sampler._draw_kernel() is None:
+        print("draw_tokens.c cannot run here (no AVX-512 or no C compiler): plain steps use torch's ops")
+        return
+    fix_mmap_threshold()  # as the worker runs on the CPU: a fresh buffer of 256 KiB or more faults its pages in
+    for rows in map(int, args.rows.split(",")):
+        logits = torch.randn(rows, args.vocab, generator=gen) * 3
+        params = RowParams([SamplingParams(temperature=1.0)] * rows, [None] * rows, torch.device("cpu"))
+        times = alternate({"torch": lambda: sample(probabilities(logits, params), params),
+                           "kernel": lambda: draw(logits, params)}, args.repeats, calls=50)
+        print(f"{rows:3} rows from logits: torch ops {spread(times['torch'])} us | draw_tokens.c "
+              f"{spread(times['kernel'])} us | {ratio(times['torch'], times['kernel']):.1f}x", flush=True)
 
 
 if __name__ == "__main__":
