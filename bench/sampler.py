@@ -8,8 +8,8 @@ one Exp(1) draw per vocabulary entry and takes the argmax; inverse_cdf draws one
 and searches the cumulative sum. 80 rows is a verify step of 16 sequences at k=4. A plain step
 starts from logits at temperature 1.0: `sample(probabilities(...))` (divide, softmax, cumsum,
 search) against `draw` (one C call where the CPU has AVX-512), with glibc's mmap threshold pinned
-as the worker pins it. Calls alternate; prints
-min/median/max microseconds per call and the ratio of medians.
+as the worker pins it. Calls alternate; prints min/median/max microseconds per call and the ratio
+of medians.
 """
 from __future__ import annotations
 

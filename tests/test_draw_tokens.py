@@ -4,17 +4,11 @@ import torch
 
 from worker.engine import sampler
 from worker.engine.sampler import RowParams, draw, inverse_cdf
+from worker.engine.sampler import draw_tokens as run_kernel
 from worker.engine.sampling_params import SamplingParams
 
-kernel = sampler._draw_kernel()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="draw_tokens.c needs AVX-512 and a C compiler")
-
-
-def run_kernel(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-    kernel(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature.data_ptr(), u.data_ptr(),
-           tokens.data_ptr())
-    return tokens
+needs_kernel = pytest.mark.skipif(sampler._draw_kernel() is None,
+                                  reason="draw_tokens.c needs AVX-512 and a C compiler")
 
 
 @needs_kernel

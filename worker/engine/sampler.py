@@ -118,8 +118,13 @@ def draw(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     if (rows.any_greedy or rows.needs_filter or rows.history is not None or logits.device.type != "cpu"
             or logits.dtype != torch.float32 or _draw_kernel() is None):
         return sample(probabilities(logits, rows), rows)
-    logits, u = logits.contiguous(), uniforms(rows, logits.device)
-    temperature = rows.temperature.to(torch.float32).contiguous()
+    return draw_tokens(logits, rows.temperature, uniforms(rows, logits.device))
+
+
+def draw_tokens(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """draw_tokens.c: [N, V] float32 CPU logits, [N] temperatures, [N] uniforms -> [N] tokens."""
+    logits, u = logits.contiguous(), u.to(torch.float32).contiguous()
+    temperature = temperature.to(torch.float32).contiguous()
     tokens = torch.empty(logits.shape[0], dtype=torch.int64)
     _draw_kernel()(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature.data_ptr(), u.data_ptr(),
                    tokens.data_ptr())

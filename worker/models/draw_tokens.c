@@ -15,11 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "vector_exp.h"
-
-static inline __mmask16 lanes(int64_t i, int64_t V) {
-  return V - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1);
-}
+#include "vector16.h"
 
 /* logits [N, V] dense; temperature [N] (> 0); u [N] in [0, 1); tokens [N] out. */
 void draw_tokens(const float *logits, int64_t N, int64_t V, const float *temperature, const float *u,
@@ -33,11 +29,11 @@ void draw_tokens(const float *logits, int64_t N, int64_t V, const float *tempera
     const __m512 t = _mm512_set1_ps(temperature[r]);
     __m512 best = minus_inf;
     for (int64_t i = 0; i < V; i += 16)
-      best = _mm512_max_ps(best, _mm512_mask_loadu_ps(minus_inf, lanes(i, V), x + i));
+      best = _mm512_max_ps(best, _mm512_mask_loadu_ps(minus_inf, tail_mask(V - i), x + i));
     /* Dividing is monotone, so the largest x / T is the largest x divided by T. */
     const __m512 top = _mm512_div_ps(_mm512_set1_ps(_mm512_reduce_max_ps(best)), t);
     for (int64_t b = 0; b < blocks; b++) {
-      const __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(minus_inf, lanes(b * 16, V), x + b * 16), t);
+      const __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(minus_inf, tail_mask(V - b * 16), x + b * 16), t);
       const __mmask16 finite = _mm512_cmp_ps_mask(y, minus_inf, _CMP_NEQ_OQ);
       const __m512 w = _mm512_maskz_mov_ps(finite, exp_nonpositive(_mm512_sub_ps(y, top)));
       _mm512_store_ps(weights + b * 16, w);

@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "vector_exp.h"
+#include "vector16.h"
 
 #define CHUNK 16
 #define AHEAD 2       /* chunks prefetched before they are read */

@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
+#include "vector16.h"
 
 void rms_norm(const float *x, int64_t rows, int64_t dim, const float *weight, float eps, float *y) {
   for (int64_t r = 0; r < rows; r++) {

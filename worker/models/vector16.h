@@ -1,8 +1,12 @@
-/* e^x on 16 float lanes, for the kernels that need a softmax (paged_attention.c, draw_tokens.c).
- * native.py hashes the headers here with each source, so a change rebuilds every kernel. */
-#ifndef VECTOR_EXP_H
-#define VECTOR_EXP_H
+/* What the kernels share on 16 float lanes: the mask of a row's last, partial vector, and e^x for
+ * a softmax. native.py hashes the headers here with each source, so a change rebuilds every kernel. */
+#ifndef VECTOR16_H
+#define VECTOR16_H
 #include <immintrin.h>
+#include <stdint.h>
+
+/* The lanes of a vector that starts `left` elements before a row's end. */
+static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
 
 /* e^x for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r,
  * scaled by 2^n. Inputs below -87 give e^-87 (callers zero the lanes that are masked). */
