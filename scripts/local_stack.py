@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -34,7 +35,7 @@ PR_SET_PDEATHSIG = 1
 
 
 class Stopped(Exception):
-    """Raised in the main thread by a stop signal."""
+    """Raised by StopSignals.check() once a stop signal has come."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -57,9 +58,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok=(200,)) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok=(200,),
+              check: Callable[[], None] = lambda: None) -> None:
+    """Until `url` answers one of `ok`; `check` runs between tries (it may raise to give up)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        check()
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode} before {url} answered")
         try:
@@ -76,7 +80,8 @@ class LocalStack:
 
     def __init__(self, workdir: Path, worker_args: list[str] = (),
                  exporter_args: list[str] = ("--min-process-memory", "1GiB"), scrape_interval: str = "5s",
-                 rule_for: str | None = None, ports: dict[str, int] | None = None):
+                 rule_for: str | None = None, ports: dict[str, int] | None = None,
+                 check: Callable[[], None] = lambda: None):
         self.workdir = Path(workdir)
         self.worker_args = list(worker_args)
         # On a CPU host every process uses RAM: only big ones are worth calling foreign.
@@ -85,6 +90,7 @@ class LocalStack:
         self.rule_for = rule_for  # shorten every alert's `for:` (tests)
         self.ports = ports or {"worker": free_port(), "exporter": free_port(), "prometheus": free_port()}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.check = check  # runs while start() waits: it may raise to stop waiting
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
@@ -93,15 +99,15 @@ class LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         py = sys.executable
         self._spawn("worker", [py, "-m", "worker", "serve", "--port", str(self.ports["worker"]), *self.worker_args])
-        wait_http(self.url("worker") + "/health", timeout, self.procs["worker"])
+        wait_http(self.url("worker") + "/health", timeout, self.procs["worker"], check=self.check)
         self._spawn("exporter", [py, "-m", "exporter", "--backend", "auto", "--port", str(self.ports["exporter"]),
                                  "--worker", self.url("worker"), *self.exporter_args])
-        wait_http(self.url("exporter") + "/metrics", 60, self.procs["exporter"])
+        wait_http(self.url("exporter") + "/metrics", 60, self.procs["exporter"], check=self.check)
         config = self._write_prometheus_config()
         self._spawn("prometheus", [shutil.which("prometheus") or "prometheus", f"--config.file={config}",
                                    f"--storage.tsdb.path={self.workdir / 'tsdb'}",
                                    f"--web.listen-address=127.0.0.1:{self.ports['prometheus']}"])
-        wait_http(self.url("prometheus") + "/-/ready", 60, self.procs["prometheus"])
+        wait_http(self.url("prometheus") + "/-/ready", 60, self.procs["prometheus"], check=self.check)
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         with open(self.workdir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
@@ -152,15 +158,25 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def raise_on_stop_signals() -> None:
-    """The first stop signal raises Stopped in the main thread; main() ignores later ones while it stops."""
-    def handler(signum, frame):
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-        raise Stopped(signum)
+class StopSignals:
+    """Records the first stop signal; check() raises Stopped once one has come.
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, handler)
+    The handler only records: an exception raised in a handler can surface inside a finalizer or a
+    weakref callback (an import lock's, seen in a test), where Python prints it and drops it, and the
+    launcher would run on without its services ever being stopped."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Stopped(self.signum)
 
 
 def main() -> int:
@@ -172,9 +188,9 @@ def main() -> int:
     ap.add_argument("worker_args", nargs="*", help="extra flags for `python -m worker serve` (after --)")
     args = ap.parse_args()
     ports = {"worker": args.worker_port, "exporter": args.exporter_port, "prometheus": args.prometheus_port}
-    stack = LocalStack(Path(args.workdir), args.worker_args, ports=ports)
+    stop_signals = StopSignals()
+    stack = LocalStack(Path(args.workdir), args.worker_args, ports=ports, check=stop_signals.check)
     print("starting worker, exporter and Prometheus (logs in %s) ..." % args.workdir, flush=True)
-    raise_on_stop_signals()
     try:
         stack.start()
         model = httpx.get(stack.url("worker") + "/v1/models").json()["data"][0]["id"]
@@ -189,7 +205,8 @@ try: curl -s {stack.url('worker')}/v1/completions -H 'content-type: application/
        -d '{{"model": "{model}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
 Ctrl-C (or SIGTERM) stops everything.""", flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(1)
+            stop_signals.check()
+            time.sleep(0.2)
         dead = [n for n, p in stack.procs.items() if p.poll() is not None]
         print(f"{', '.join(dead)} exited; see {args.workdir}/*.log", file=sys.stderr)
         return 1

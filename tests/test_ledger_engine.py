@@ -82,7 +82,11 @@ def test_profile_prints_table_json_and_plot(checkpoints, tmp_path):
                    "KV capacity", "maximum concurrency"):
         assert needle in table.stdout
     assert (tmp_path / "ledger.png").stat().st_size > 1000
-    doc = json.loads(profile("--json", checkpoints=checkpoints).stdout)
+    doc = json.loads(profile("--json", "--max-num-seqs", "256", checkpoints=checkpoints).stdout)
+    # Host state of 256 requests of 256 tokens (ids, text, block table, generator) is real memory on
+    # the CPU. Measured as the process's growth, so only a fresh process shows all of it: in a long
+    # test process, freed memory that is still resident takes some of it.
+    assert next(e["bytes"] for e in doc["entries"] if e["component"] == "sequence_state") > 256 * 1024
     assert {(e["component"], e["model"]) for e in doc["entries"]} >= {("weights", "target"), ("weights", "draft")}
     assert doc["declared_bytes"] == sum(e["bytes"] for e in doc["entries"])
     kernels = next(e["bytes"] for e in doc["entries"] if e["component"] == "kernels")
@@ -109,8 +113,7 @@ def test_new_entries_are_measured_and_everything_sums_to_the_budget(checkpoints)
     ledger = engine.ledger
     components = [e.component for e in ledger.entries]
     assert {"allocator", "sequence_state"} <= set(components)
-    # Host state of 256 requests of 256 tokens (ids, text, block table, generator) is real memory on the CPU.
-    assert ledger.bytes_of("sequence_state") > 256 * 1024
+    assert ledger.bytes_of("sequence_state") > 0  # its size: test_profile_prints_table_json_and_plot
     assert ledger.bytes_of("allocator") >= 0
     assert ledger.declared_bytes == ledger.budget_bytes  # whole blocks: nothing left over
     doc = engine.memory_report()

@@ -24,7 +24,7 @@ from worker.engine.spec_decode import verify
 from worker.engine.speculation import MAX_DRAFT_LAG, speculation_policy
 from worker.memory.device import get_device
 from worker.memory.ledger import Ledger, format_table, summary_line
-from worker.memory.profiler import measure_held, measure_weights
+from worker.memory.profiler import collecting_only_new_objects, measure_held, measure_weights
 from worker.models.llama import CausalLM
 from worker.models.loader import ModelLoadError, load_config, load_model, load_tokenizer
 
@@ -51,7 +51,7 @@ class LLMEngine:
             check_same_tokenizer(self.tokenizer, load_tokenizer(config.draft_model), config)
         self.ledger = Ledger.at_start(self.device, config.model, config.draft_model)
         stages = 4 + bool(config.draft_model) + config.compile
-        with tqdm(total=stages, desc="startup", unit="stage", disable=None) as bar:
+        with tqdm(total=stages, desc="startup", unit="stage", disable=None) as bar, collecting_only_new_objects():
             target = self._load("target", config.model, bar)
             draft = self._load("draft", config.draft_model, bar) if config.draft_model else None
             if draft is not None and draft.config.vocab_size != target.config.vocab_size:

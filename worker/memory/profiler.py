@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -40,6 +41,19 @@ class MemorySnapshot:
                    torch_allocated=device.torch_allocated_bytes(),
                    torch_reserved=device.torch_reserved_bytes(),
                    torch_peak=device.torch_peak_allocated_bytes())
+
+
+@contextlib.contextmanager
+def collecting_only_new_objects() -> Iterator[None]:
+    """Inside, garbage collections skip every object that existed before (gc.freeze), and those
+    return to the collector after. Startup's measurements collect a dozen times to free what loads
+    leave behind; a full collection of everything imported before took ~0.2 s each (2.4 s of a 3 s
+    engine start with the test models), and nothing made before startup is the engine's to free."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def runtime_bytes(snapshot: MemorySnapshot) -> int:

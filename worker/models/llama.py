@@ -7,6 +7,7 @@ from torch import nn
 
 from worker.models import paged_attention, rms_norm, rotate_store
 from worker.models.attention import PagedBatch
+from worker.models.decoder_layers import DecoderLayers
 from worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
 from worker.models.rope import RotaryEmbedding, rotate_
 
@@ -217,6 +218,7 @@ class CausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.fused_layers: DecoderLayers | None = None  # every layer in one C call (pack_linears sets it)
 
     def fuse_projections(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint-shaped q/k/v and gate/up become fused matmuls.
@@ -252,6 +254,7 @@ class CausalLM(nn.Module):
             weight = getattr(module, name)
             if packable(weight):
                 setattr(module, name, nn.Parameter(pack(weight), requires_grad=False))
+        self.fused_layers = DecoderLayers(self) if DecoderLayers.fits(self) else None
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """[k/v, layers, slots, kv heads, head dim]: one tensor holds the whole cache."""
@@ -261,8 +264,11 @@ class CausalLM(nn.Module):
         """Logits [B, n, V] at batch.logits_index (n may be 0: fill the cache only)."""
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_cache, batch)
+        if self.fused_layers is not None and self.fused_layers.runs_on(x, kv_cache, batch):
+            self.fused_layers(x, cos, sin, kv_cache, batch)  # decode and verify steps
+        else:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, kv_cache, batch)
         if batch.logits_index.shape[1] == 0:
             return x.new_empty(x.shape[0], 0, self.config.vocab_size)
         picked = x.gather(1, batch.logits_index[:, :, None].expand(-1, -1, x.shape[-1]))

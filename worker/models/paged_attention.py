@@ -35,8 +35,16 @@ def runs_on(q: torch.Tensor, cache: torch.Tensor, context: int) -> bool:
     a long prompt over a sliding window goes to SDPA)."""
     B, Q, H, D = q.shape
     return (q.dtype == cache.dtype == torch.float32 and q.device.type == "cpu" and D % 16 == 0 and D <= 128
-            and Q * H * (context + 32) * 4 <= MAX_SCRATCH
-            and not torch.compiler.is_compiling() and _kernel() is not None)
+            and fits(Q, H, context) and not torch.compiler.is_compiling() and _kernel() is not None)
+
+
+def fits(queries: int, heads: int, context: int) -> bool:
+    """Whether a thread's scores for one row (queries x heads over the context) fit MAX_SCRATCH."""
+    return queries * heads * (context + 32) * 4 <= MAX_SCRATCH
+
+
+def scale(head_dim: int) -> float:
+    return 1 / math.sqrt(head_dim)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
@@ -52,5 +60,5 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: tor
     out = q.new_empty(B, Q, H * D)
     _kernel()(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
               positions.data_ptr(), lengths.data_ptr(), B, Q, slots.shape[1], H, keys.shape[1], D,
-              window or 0, 1 / math.sqrt(D), out.data_ptr(), torch.get_num_threads())
+              window or 0, scale(D), out.data_ptr(), torch.get_num_threads())
     return out

@@ -1,35 +1,12 @@
-/* One layer's new tokens, in one call: rotate the query and key heads in place (rotate-half RoPE),
- * then store each real token's keys and values at its slot of the paged cache.
- *
- * In torch that was four elementwise ops for the rotation and two index_copy_ for the store, each
- * a dispatch: ~35 us a layer at 1 row on the shipped target, ~75 us at 32 rows.
+/* One layer's new tokens in one call, on the calling thread (rotate_store.h): the rotation and the
+ * cache write. In torch that was four elementwise ops for the rotation and two index_copy_ for the
+ * store, each a dispatch: ~35 us a layer at 1 row on the shipped target, ~75 us at 32 rows.
  * Built and loaded by native.py.
  */
-#include <stdint.h>
-#include <string.h>
+#include "rotate_store.h"
 
-/* heads: [tokens, heads + 2 * kv_heads, D] (queries, keys, values), dense. cos, sin: [tokens, D / 2].
- * rows: [n] the tokens to store (NULL: tokens 0 .. n - 1); slots: [n] where they go.
- * key_cache, value_cache: [slots, kv_heads, D]. */
 void rotate_store(float *heads, int64_t tokens, int64_t num_heads, int64_t kv_heads, int64_t D,
                   const float *cos, const float *sin, const int64_t *rows, const int64_t *slots, int64_t n,
                   float *key_cache, float *value_cache) {
-  const int64_t half = D / 2, stride = (num_heads + 2 * kv_heads) * D;
-  for (int64_t t = 0; t < tokens; t++) {
-    const float *c = cos + t * half, *s = sin + t * half;
-    for (int64_t h = 0; h < num_heads + kv_heads; h++) {
-      float *x = heads + t * stride + h * D;
-      for (int64_t d = 0; d < half; d++) {
-        const float a = x[d], b = x[d + half];
-        x[d] = a * c[d] - b * s[d];
-        x[d + half] = b * c[d] + a * s[d];
-      }
-    }
-  }
-  const int64_t bytes = kv_heads * D * sizeof(float);
-  for (int64_t i = 0; i < n; i++) {
-    const float *token = heads + (rows ? rows[i] : i) * stride + num_heads * D;
-    memcpy(key_cache + slots[i] * kv_heads * D, token, bytes);
-    memcpy(value_cache + slots[i] * kv_heads * D, token + kv_heads * D, bytes);
-  }
+  rotate_store_in_team(heads, tokens, num_heads, kv_heads, D, cos, sin, rows, slots, n, key_cache, value_cache);
 }

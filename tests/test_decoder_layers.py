@@ -1,0 +1,101 @@
+"""Every decoder layer in one C call (decoder_layers.c) computes what the layers in torch compute, and
+keeps the bit-for-bit promises of the kernels it runs: a row alone and in a batch, a token decoded
+alone and verified among a draft's, one thread and two."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.models import decoder_layers
+from worker.models.attention import build_paged_batch
+from worker.models.loader import load_model
+
+needs_kernel = pytest.mark.skipif(decoder_layers._kernel() is None, reason="no AVX-512 or no C compiler here")
+CPU = torch.device("cpu")
+BLOCK = 16
+TABLES = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def forward(model, batch, cache, fused: bool) -> torch.Tensor:
+    kept = model.fused_layers
+    model.fused_layers = kept if fused else None
+    try:
+        return model(batch, cache)
+    finally:
+        model.fused_layers = kept
+
+
+def prefilled(model, lengths=(5, 40, 17)):
+    """A cache holding three prompts (their prefill runs the layers in torch), and the prompts."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    cache = torch.zeros(model.kv_cache_shape(12 * BLOCK))
+    forward(model, build_paged_batch(prompts, [0] * 3, TABLES, BLOCK, 1, CPU), cache, fused=True)
+    return cache, prompts
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])  # mistral: a sliding window of 12
+def test_decode_and_verify_steps_match_the_layers_in_torch(checkpoints, family):
+    model = load_model(checkpoints[family], torch.float32, CPU)
+    assert model.fused_layers is not None
+    cache, prompts = prefilled(model)
+    lengths = [len(p) for p in prompts]
+    steps = [build_paged_batch([[7], [8], [9]], lengths, TABLES, BLOCK, 1, CPU),
+             build_paged_batch([[1, 2, 3, 4]] * 3, [n + 1 for n in lengths], TABLES, BLOCK, 4, CPU)]
+    ours_cache, torch_cache = cache.clone(), cache.clone()
+    for step in steps:
+        assert model.fused_layers.runs_on(torch.zeros(1), cache, step)
+        ours, theirs = forward(model, step, ours_cache, True), forward(model, step, torch_cache, False)
+        # Every stage computes its kernel's bits save SiLU (its own e^x): last-bit differences only.
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ours_cache, torch_cache, atol=2e-5, rtol=2e-5)
+    assert ours_cache[:, :, 16 * 4:].abs().sum() > 0  # the steps wrote keys and values
+
+
+@needs_kernel
+def test_a_row_alone_and_in_a_batch_give_the_same_bits(checkpoints):
+    model = load_model(checkpoints["llama"], torch.float32, CPU)
+    cache, prompts = prefilled(model)
+    lengths = [len(p) for p in prompts]
+    batched = forward(model, build_paged_batch([[7], [8], [9]], lengths, TABLES, BLOCK, 1, CPU), cache.clone(), True)
+    alone = forward(model, build_paged_batch([[8]], lengths[1:2], TABLES[1:2], BLOCK, 1, CPU), cache.clone(), True)
+    assert torch.equal(alone[0], batched[1])
+
+
+@needs_kernel
+def test_a_token_decoded_alone_and_verified_among_a_drafts_give_the_same_bits(checkpoints):
+    model = load_model(checkpoints["qwen2"], torch.float32, CPU)
+    cache, prompts = prefilled(model)
+    start, draft = len(prompts[2]), [11, 12, 13]
+    verified = forward(model, build_paged_batch([draft], [start], TABLES[2:], BLOCK, 3, CPU), cache.clone(), True)
+    one_by_one, decoding = [], cache.clone()
+    for i, token in enumerate(draft):
+        one_by_one.append(forward(model, build_paged_batch([[token]], [start + i], TABLES[2:], BLOCK, 1, CPU),
+                                  decoding, True)[0, 0])
+    assert torch.equal(verified[0], torch.stack(one_by_one))
+
+
+@needs_kernel
+def test_one_thread_and_two_give_the_same_bits(checkpoints):
+    model = load_model(checkpoints["mistral"], torch.float32, CPU)
+    cache, prompts = prefilled(model)
+    step = build_paged_batch([[7], [8], [9]], [len(p) for p in prompts], TABLES, BLOCK, 1, CPU)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = forward(model, step, cache.clone(), True)
+        torch.set_num_threads(2)
+        two = forward(model, step, cache.clone(), True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_a_prompts_prefill_and_plain_weights_keep_the_layers_in_torch(checkpoints):
+    model = load_model(checkpoints["llama"], torch.float32, CPU)
+    cache = torch.zeros(model.kv_cache_shape(12 * BLOCK))
+    prefill = build_paged_batch([[1, 2, 3]], [0], TABLES[:1], BLOCK, 1, CPU)
+    assert not model.fused_layers.runs_on(torch.zeros(1), cache, prefill)  # SDPA over its own tokens
+    assert load_model(checkpoints["llama"], torch.float32, CPU, pack=False).fused_layers is None  # compile's

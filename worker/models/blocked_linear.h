@@ -1,0 +1,74 @@
+/* y[M, N] = x[M, K] @ W^T (+ bias) (+ residual) for float32 on AVX-512 CPUs, with W stored in blocks
+ * of 16 outputs: packed[N / 16][K][16], so one pass reads the weights as one contiguous stream.
+ *
+ * A tile holds up to 6 rows x 4 blocks (24 of the 32 vector registers) and runs over k: each k
+ * loads 4 weight vectors, broadcasts one x value per row and adds one fused multiply per row and
+ * block. Every output sums over k in order, so a row's result does not depend on M or on the tile
+ * it falls in: one row decoded alone and the same row in a batch give the same bits. The bias and
+ * the residual are added as torch adds them after a matmul ((x @ W^T + bias), then residual + it).
+ */
+#ifndef BLOCKED_LINEAR_H
+#define BLOCKED_LINEAR_H
+#include <immintrin.h>
+#include <stdint.h>
+
+#define MAX_ROWS 6
+
+#define TILE(ROWS, BLOCKS)                                                                         \
+  static inline __attribute__((always_inline)) void tile_##ROWS##_##BLOCKS(                       \
+      const float *x, int64_t K, const float *w, float *y, int64_t N, const float *bias,           \
+      const float *residual) {                                                                     \
+    __m512 acc[ROWS][BLOCKS];                                                                      \
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                         \
+        _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_setzero_ps();  \
+    for (int64_t k = 0; k < K; k++) {                                                              \
+      __m512 wk[BLOCKS];                                                                           \
+      _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++)                                     \
+          wk[b] = _mm512_loadu_ps(w + (b * K + k) * 16);                                           \
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                     \
+        __m512 xk = _mm512_set1_ps(x[r * K + k]);                                                  \
+        _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++)                                   \
+            acc[r][b] = _mm512_fmadd_ps(xk, wk[b], acc[r][b]);                                     \
+      }                                                                                            \
+    }                                                                                              \
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                         \
+        _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++) {                                 \
+      __m512 out = acc[r][b];                                                                      \
+      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + b * 16));                          \
+      if (residual) out = _mm512_add_ps(_mm512_loadu_ps(residual + r * N + b * 16), out);          \
+      _mm512_storeu_ps(y + r * N + b * 16, out);                                                   \
+    }                                                                                              \
+  }
+
+TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4) TILE(5, 4) TILE(6, 4)
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
+
+/* Rows known at compile time let the compiler keep every accumulator in a register:
+ * TILES[wide][rows - 1] is the tile for 4 blocks (wide) or 1. */
+typedef void (*tile_fn)(const float *, int64_t, const float *, float *, int64_t, const float *,
+                        const float *);
+static const tile_fn TILES[2][MAX_ROWS] = {
+    {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1},
+    {tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4},
+};
+
+/* x: [M, K] dense; packed: [N / 16, K, 16]; y, residual: [M, N] dense (residual may be y, or NULL);
+ * bias: [N] or NULL. N must be a multiple of 16. The work splits over groups of 4 blocks (then
+ * single blocks), each group's weights read once per 6 rows, shared out among the threads of the
+ * parallel region it is called in (an `omp for`, which ends in a barrier). */
+static void blocked_linear_in_team(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
+                                   const float *bias, const float *residual, float *y) {
+  const int64_t blocks = N / 16, groups = blocks / 4, units = groups + blocks % 4;
+#pragma omp for schedule(static)
+  for (int64_t unit = 0; unit < units; unit++) {
+    const int64_t block = unit < groups ? unit * 4 : groups * 4 + (unit - groups);
+    const float *w = packed + block * K * 16, *b = bias ? bias + block * 16 : NULL;
+    for (int64_t m = 0; m < M; m += MAX_ROWS) {
+      const int rows = M - m < MAX_ROWS ? (int)(M - m) : MAX_ROWS;
+      TILES[unit < groups][rows - 1](x + m * K, K, w, y + m * N + block * 16, N, b,
+                                     residual ? residual + m * N + block * 16 : NULL);
+    }
+  }
+}
+
+#endif
