@@ -67,12 +67,11 @@ class DecoderLayers:
                 and all(blocked_linear.is_blocked(w) and w.dtype == torch.float32 for w in weights))
 
     def runs_on(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch) -> bool:
-        """Whether this step can: not a prompt's prefill, float32 on the CPU, eager, a dense cache, and
-        a thread's attention scores within paged_attention's limit."""
-        B, Q = batch.input_ids.shape
+        """Whether this step can: not a prompt's prefill, float32 on the CPU, eager, dense x and cache,
+        and a thread's attention scores within paged_attention's limit."""
         return (not batch.from_start and x.dtype == kv_cache.dtype == torch.float32 and x.device.type == "cpu"
-                and kv_cache.is_contiguous() and not torch.compiler.is_compiling()
-                and paged_attention.fits(Q, self.heads, batch.gather_slots.shape[1]))
+                and x.is_contiguous() and kv_cache.is_contiguous() and not torch.compiler.is_compiling()
+                and paged_attention.fits(batch.input_ids.shape[1], self.heads, batch.gather_slots.shape[1]))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                  batch: PagedBatch) -> None:
