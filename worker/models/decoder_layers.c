@@ -8,7 +8,6 @@
  * Built and loaded by native.py; threads come from torch's OpenMP pool.
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 
 #include "blocked_linear.h"

@@ -58,12 +58,11 @@ class DecoderLayers:
 
     @staticmethod
     def fits(model) -> bool:
-        """Whether this model's layers can run in the kernel: float32 blocked weights, SiLU, head_dim
-        a multiple of 16 up to 128 (paged_attention.c)."""
-        attn = model.model.layers[0].self_attn
+        """Whether this model's layers can run in the kernel: float32 blocked weights, SiLU, and a
+        head_dim paged attention takes."""
         weights = [getattr(m, name) for m, name, _ in model.projections()[:-1]]  # all but the head
         return (_kernel() is not None and model.config.hidden_act == "silu"
-                and attn.head_dim % 16 == 0 and attn.head_dim <= 128
+                and paged_attention.takes_head_dim(model.head_dim)
                 and all(blocked_linear.is_blocked(w) and w.dtype == torch.float32 for w in weights))
 
     def runs_on(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch) -> bool:

@@ -34,8 +34,13 @@ def runs_on(q: torch.Tensor, cache: torch.Tensor, context: int) -> bool:
     CPU, eager, D a multiple of 16 up to 128, and a thread's scores for one row within MAX_SCRATCH:
     a long prompt over a sliding window goes to SDPA)."""
     B, Q, H, D = q.shape
-    return (q.dtype == cache.dtype == torch.float32 and q.device.type == "cpu" and D % 16 == 0 and D <= 128
+    return (q.dtype == cache.dtype == torch.float32 and q.device.type == "cpu" and takes_head_dim(D)
             and fits(Q, H, context) and not torch.compiler.is_compiling() and _kernel() is not None)
+
+
+def takes_head_dim(head_dim: int) -> bool:
+    """Whole vectors of 16 floats, at most 8 of them (paged_attention.h's MAX_VECTORS)."""
+    return head_dim % 16 == 0 and head_dim <= 128
 
 
 def fits(queries: int, heads: int, context: int) -> bool:
