@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if paged_attention._kernel() is None:
-        raise SystemExit("the kernel cannot run here (no AVX-512 or no C compiler)")
+        raise SystemExit("the kernel cannot run here (neither AVX-512 nor AVX2, or no C compiler)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"{HEADS} heads, {KV_HEADS} kv heads, head_dim {DIM}, {args.context} cached positions, {LAYERS} layers, "

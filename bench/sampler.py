@@ -7,7 +7,7 @@ Both draws take a token from each row of a [rows, vocab] probability matrix: the
 one Exp(1) draw per vocabulary entry and takes the argmax; inverse_cdf draws one uniform per row
 and searches the cumulative sum. 80 rows is a verify step of 16 sequences at k=4. A plain step
 starts from logits at temperature 1.0: `sample(probabilities(...))` (divide, softmax, cumsum,
-search) against `draw` (one C call where the CPU has AVX-512), with glibc's mmap threshold pinned
+search) against `draw` (one C call where the CPU has AVX-512 or AVX2), with glibc's mmap threshold pinned
 as the worker pins it. Calls alternate; prints min/median/max microseconds per call and the ratio
 of medians.
 """
@@ -44,7 +44,7 @@ def main() -> None:
         print(f"{rows:3} rows: race {spread(race)} us | inverse CDF {spread(cdf)} us | {ratio(race, cdf):.1f}x",
               flush=True)
     if sampler._draw_kernel() is None:
-        print("draw_tokens.c cannot run here (no AVX-512 or no C compiler): plain steps use torch's ops")
+        print("draw_tokens.c cannot run here (neither AVX-512 nor AVX2, or no C compiler): plain steps use torch's ops")
         return
     fix_mmap_threshold()  # as the worker runs on the CPU: a fresh buffer of 256 KiB or more faults its pages in
     for rows in map(int, args.rows.split(",")):

@@ -10,7 +10,7 @@ from worker.models import decoder_layers
 from worker.models.attention import build_paged_batch
 from worker.models.loader import load_model
 
-needs_kernel = pytest.mark.skipif(decoder_layers._kernel() is None, reason="no AVX-512 or no C compiler here")
+needs_kernel = pytest.mark.skipif(decoder_layers._kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here")
 CPU = torch.device("cpu")
 BLOCK = 16
 TABLES = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

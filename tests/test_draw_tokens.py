@@ -8,7 +8,7 @@ from worker.engine.sampler import draw_tokens as run_kernel
 from worker.engine.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(sampler._draw_kernel() is None,
-                                  reason="draw_tokens.c needs AVX-512 and a C compiler")
+                                  reason="draw_tokens.c needs AVX-512 or AVX2 and a C compiler")
 
 
 @needs_kernel

@@ -112,7 +112,7 @@ def _draw_kernel():
 
 def draw(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     """[N, V] logits -> [N] tokens: `sample(probabilities(logits, rows), rows)`, in one C call
-    (draw_tokens.c) where every row only samples at a temperature: float32 on an AVX-512 CPU, no
+    (draw_tokens.c) where every row only samples at a temperature: float32 on an AVX-512 or AVX2 CPU, no
     greedy row, no penalty, top-k or top-p. Same uniforms, same law; the last bits of the weights
     differ, so a seeded request may draw another token than the torch path would."""
     if (rows.any_greedy or rows.needs_filter or rows.history is not None or logits.device.type != "cpu"

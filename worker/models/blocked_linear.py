@@ -1,4 +1,4 @@
-"""float32 matmuls on AVX-512 CPUs through this project's own kernel (blocked_linear.c).
+"""float32 matmuls on AVX-512 and AVX2 CPUs through this project's own kernel (blocked_linear.c).
 
 Weights are stored as [out / 16, in, 16]: blocks of 16 outputs, each read as one stream. Per pass
 over the shipped target's 32 projections (bench/packed_linear.py, medians, this project's 2-core
@@ -8,7 +8,7 @@ are small: a 256 x 256 one at 1 row, weights in cache, took 18 us through oneDNN
 (ctypes call included). Each row's result is the same at any batch size (the kernel sums over
 `in` in order), so a token decoded alone and in a batch agree to the bit.
 
-Built and loaded by native.py; where it cannot run (no AVX-512, no C compiler) `available()` is
+Built and loaded by native.py; where it cannot run (neither AVX-512 nor AVX2, no C compiler) `available()` is
 False and weights stay with oneDNN.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from worker.models import native
 
-BLOCK = 16  # outputs a block holds: one AVX-512 register of float32
+BLOCK = 16  # outputs a block holds: one AVX-512 register of float32 (two of AVX2)
 
 
 @functools.cache

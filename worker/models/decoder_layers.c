@@ -1,5 +1,5 @@
 /* Every decoder layer of a decode or verify step in one call and one parallel region, for float32 on
- * AVX-512 CPUs: per layer RMSNorm, the q/k/v matmul, RoPE and the cache write, paged attention, the
+ * AVX-512 or AVX2 CPUs: per layer RMSNorm, the q/k/v matmul, RoPE and the cache write, paged attention, the
  * output matmul plus the residual, RMSNorm, the gate/up matmul, SiLU(gate) x up, the down matmul
  * plus the residual. Each stage is an `omp for` of the kernels' headers, so threads meet at a
  * barrier between stages instead of starting a region and returning to Python for each one (a

@@ -1,5 +1,5 @@
 """Every decoder layer of a decode or verify step in one C call (decoder_layers.c), float32 on
-AVX-512 CPUs with blocked weights (blocked_linear.py).
+AVX-512 or AVX2 CPUs with blocked weights (blocked_linear.py).
 
 Layer by layer in torch a step made ~13 calls a layer, each a dispatch from Python and, for the C
 kernels, a parallel region of its own: on the shipped target about 1.6 ms of an 11.7 ms step at

@@ -1,4 +1,4 @@
-/* One token per row drawn from softmax(logits / temperature), for float32 on AVX-512 CPUs.
+/* One token per row drawn from softmax(logits / temperature), for float32 on AVX-512 or AVX2 CPUs.
  *
  * The torch path (sampler.py: divide, softmax, cumsum, searchsorted) makes five tensors of the
  * logits' size a step, each a fresh mapping whose pages fault in at 32 rows: ~0.6 ms a step where

@@ -2,9 +2,10 @@
 
 Each source is compiled on first use with the system's C compiler (under a second) into
 ~/.cache/vramledger/kernels, named by a hash of the source, the headers beside it and the flags,
-and loaded with ctypes after torch, so the kernels' OpenMP threads are torch's own pool. They need
-AVX-512; where that or the compiler is missing, `load` returns None (saying why once) and callers
-keep torch's ops.
+and loaded with ctypes after torch, so the kernels' OpenMP threads are torch's own pool. They are
+written for AVX-512 and built for it where the CPU has it; on a CPU with AVX2 and FMA only they are
+built with avx512_on_avx2.h, each 16-lane vector a pair of 256-bit ones. Where neither or the
+compiler is missing, `load` returns None (saying why once) and callers keep torch's ops.
 """
 from __future__ import annotations
 
@@ -22,7 +23,15 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}  # torch's name for the CPU's level
+
+
+def isa() -> str | None:
+    """The instruction set the kernels are built for on this CPU, or None where they cannot run.
+    torch reports AVX2 only where FMA is present too (its own AVX2 kernels use it)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return next((name for name in ISA_FLAGS if capability.startswith(name)), None)
 
 
 def cache_dir() -> Path:
@@ -30,12 +39,13 @@ def cache_dir() -> Path:
     return Path(root) / "vramledger" / "kernels"
 
 
-def build(source: Path, into: Path | None = None) -> Path:
-    """The shared library for this source and flags, compiled unless the cache already holds it."""
+def build(source: Path, into: Path | None = None, target_isa: str = "AVX512") -> Path:
+    """The shared library for this source and instruction set, compiled unless the cache holds it."""
     compiler = os.environ.get("CC", "cc")
+    flags = FLAGS + ISA_FLAGS[target_isa]
     # The headers beside the source count too: a change to one rebuilds every kernel.
     text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
-    key = hashlib.sha256(text + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     into = into or cache_dir()
     into.mkdir(parents=True, exist_ok=True)
     library = into / f"{source.stem}-{key}.so"
@@ -44,7 +54,7 @@ def build(source: Path, into: Path | None = None) -> Path:
         fd, partial = tempfile.mkstemp(suffix=".so", dir=into)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, str(source), "-o", partial], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, str(source), "-o", partial], check=True, capture_output=True,
                            text=True, timeout=120)
             os.replace(partial, library)
         finally:
@@ -55,11 +65,11 @@ def build(source: Path, into: Path | None = None) -> Path:
 @functools.cache
 def load(stem: str) -> ctypes.CDLL | None:
     """The library built from HERE/<stem>.c, or None where it cannot run."""
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        log.info("no AVX-512 on this CPU: %s stays with torch's ops", stem)
+    if isa() is None:
+        log.info("neither AVX-512 nor AVX2 on this CPU: %s stays with torch's ops", stem)
         return None
     try:
-        return ctypes.CDLL(str(build(HERE / f"{stem}.c")))
+        return ctypes.CDLL(str(build(HERE / f"{stem}.c", target_isa=isa())))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the %s kernel could not be built (%s): torch's ops run instead", stem,
                     getattr(e, "stderr", None) or e)

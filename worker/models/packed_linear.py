@@ -1,6 +1,6 @@
 """Linear weights packed for the CPU's matmuls: this project's kernel where it runs, else oneDNN.
 
-float32 weights on an AVX-512 CPU go to blocked_linear.py (its own kernel: fastest at every row
+float32 weights on an AVX-512 or AVX2 CPU go to blocked_linear.py (its own kernel: fastest at every row
 count measured, no kernels to build per shape). Elsewhere, and for weights whose outputs do not
 fill whole blocks, oneDNN packs them, as follows.
 

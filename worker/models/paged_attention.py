@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache in one C call for float32 on AVX-512 CPUs (paged_attention.c).
+"""Attention over the paged KV cache in one C call for float32 on AVX-512 or AVX2 CPUs (paged_attention.c).
 
 The torch path gathers each layer's context out of the cache into [B, kvH, C, D] buffers, builds
 an additive mask and runs SDPA: at 16 rows on the shipped target that was 35% of a decode step

@@ -1,4 +1,4 @@
-"""RMSNorm of float32 rows on AVX-512 CPUs in one C call (rms_norm.c), built by native.py.
+"""RMSNorm of float32 rows on AVX-512 or AVX2 CPUs in one C call (rms_norm.c), built by native.py.
 
 Hugging Face's formula took five elementwise ops, each a dispatch and a pass over the row: about
 14 us a call on the shipped target's rows against ~4 us here (most of it the call itself), and a

@@ -1,9 +1,14 @@
 /* What the kernels share on 16 float lanes: the mask of a row's last, partial vector, and e^x for
- * a softmax. native.py hashes the headers here with each source, so a change rebuilds every kernel. */
+ * a softmax. Every kernel includes it, so that a build without AVX-512 gets its intrinsics as pairs
+ * of AVX2 vectors (avx512_on_avx2.h). native.py hashes the headers here with each source, so a
+ * change rebuilds every kernel. */
 #ifndef VECTOR16_H
 #define VECTOR16_H
 #include <immintrin.h>
 #include <stdint.h>
+#ifndef __AVX512F__
+#include "avx512_on_avx2.h"
+#endif
 
 /* The lanes of a vector that starts `left` elements before a row's end. */
 static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
