@@ -33,11 +33,17 @@ INLINE f32x16 pair_set1_ps(float a) { return pair_of(_mm256_set1_ps(a), _mm256_s
 INLINE f32x16 pair_loadu_ps(const float *p) { return pair_of(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
 INLINE void pair_storeu_ps(float *p, f32x16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 INLINE void pair_store_ps(float *p, f32x16 a) { _mm256_store_ps(p, a.lo); _mm256_store_ps(p + 8, a.hi); }
-INLINE f32x16 pair_add_ps(f32x16 a, f32x16 b) { return pair_of(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
-INLINE f32x16 pair_sub_ps(f32x16 a, f32x16 b) { return pair_of(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
-INLINE f32x16 pair_mul_ps(f32x16 a, f32x16 b) { return pair_of(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
-INLINE f32x16 pair_div_ps(f32x16 a, f32x16 b) { return pair_of(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
-INLINE f32x16 pair_max_ps(f32x16 a, f32x16 b) { return pair_of(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+
+/* Lane by lane on both halves. */
+#define PAIR_OF_TWO(name, op) \
+  INLINE f32x16 pair_##name(f32x16 a, f32x16 b) { return pair_of(op(a.lo, b.lo), op(a.hi, b.hi)); }
+PAIR_OF_TWO(add_ps, _mm256_add_ps)
+PAIR_OF_TWO(sub_ps, _mm256_sub_ps)
+PAIR_OF_TWO(mul_ps, _mm256_mul_ps)
+PAIR_OF_TWO(div_ps, _mm256_div_ps)
+PAIR_OF_TWO(max_ps, _mm256_max_ps)
+PAIR_OF_TWO(unpacklo_ps, _mm256_unpacklo_ps) /* within each 128-bit lane, as AVX-512 does */
+PAIR_OF_TWO(unpackhi_ps, _mm256_unpackhi_ps)
 INLINE f32x16 pair_fmadd_ps(f32x16 a, f32x16 b, f32x16 c) {
   return pair_of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
 }
@@ -52,7 +58,7 @@ INLINE f32x16 pair_abs_ps(f32x16 a) {
 /* Masked moves, loads and stores: lanes outside the mask keep src (mask_) or become 0 (maskz_). */
 INLINE f32x16 pair_mask_mov_ps(f32x16 src, __mmask16 m, f32x16 a) {
   return pair_of(_mm256_blendv_ps(src.lo, a.lo, _mm256_castsi256_ps(pair_lanes_of(m))),
-              _mm256_blendv_ps(src.hi, a.hi, _mm256_castsi256_ps(pair_lanes_of(m >> 8))));
+                 _mm256_blendv_ps(src.hi, a.hi, _mm256_castsi256_ps(pair_lanes_of(m >> 8))));
 }
 INLINE f32x16 pair_maskz_mov_ps(__mmask16 m, f32x16 a) { return pair_mask_mov_ps(pair_setzero_ps(), m, a); }
 INLINE f32x16 pair_maskz_loadu_ps(__mmask16 m, const float *p) {  /* masked-off lanes are not read */
@@ -80,28 +86,24 @@ INLINE float pair_reduce_max_ps(f32x16 a) {
   return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* Within each 128-bit lane, as AVX-512 does: a 256-bit half is two such lanes. */
-INLINE f32x16 pair_unpacklo_ps(f32x16 a, f32x16 b) {
-  return pair_of(_mm256_unpacklo_ps(a.lo, b.lo), _mm256_unpacklo_ps(a.hi, b.hi));
-}
-INLINE f32x16 pair_unpackhi_ps(f32x16 a, f32x16 b) {
-  return pair_of(_mm256_unpackhi_ps(a.lo, b.lo), _mm256_unpackhi_ps(a.hi, b.hi));
-}
-#define pair_shuffle_ps(a, b, imm) pair_of(_mm256_shuffle_ps((a).lo, (b).lo, imm), _mm256_shuffle_ps((a).hi, (b).hi, imm))
+#define pair_shuffle_ps(a, b, imm) \
+  pair_of(_mm256_shuffle_ps((a).lo, (b).lo, imm), _mm256_shuffle_ps((a).hi, (b).hi, imm))
 /* 128-bit lanes 0-1 from a, 2-3 from b, each picked by two bits of imm (a constant once inlined). */
 INLINE f32x16 pair_shuffle_f32x4(f32x16 a, f32x16 b, const int imm) {
   const __m128 q[8] = {_mm256_castps256_ps128(a.lo), _mm256_extractf128_ps(a.lo, 1),
                        _mm256_castps256_ps128(a.hi), _mm256_extractf128_ps(a.hi, 1),
                        _mm256_castps256_ps128(b.lo), _mm256_extractf128_ps(b.lo, 1),
                        _mm256_castps256_ps128(b.hi), _mm256_extractf128_ps(b.hi, 1)};
-  return pair_of(_mm256_set_m128(q[imm >> 2 & 3], q[imm & 3]), _mm256_set_m128(q[4 + (imm >> 6 & 3)], q[4 + (imm >> 4 & 3)]));
+  return pair_of(_mm256_set_m128(q[imm >> 2 & 3], q[imm & 3]),
+                 _mm256_set_m128(q[4 + (imm >> 6 & 3)], q[4 + (imm >> 4 & 3)]));
 }
 #define pair_roundscale_ps(a, imm) pair_of(_mm256_round_ps((a).lo, imm), _mm256_round_ps((a).hi, imm))
+INLINE __m256 times_two_to(__m256 a, __m256 n) {
+  const __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(a, _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23)));
+}
 INLINE f32x16 pair_scalef_ps(f32x16 a, f32x16 n) {  /* a x 2^n, n whole in [-126, 127] */
-  const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.lo), bias), 23));
-  const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.hi), bias), 23));
-  return pair_of(_mm256_mul_ps(a.lo, lo), _mm256_mul_ps(a.hi, hi));
+  return pair_of(times_two_to(a.lo, n.lo), times_two_to(a.hi, n.hi));
 }
 #define pair_cmp_ps_mask(a, b, predicate) \
   pair_bits_of(_mm256_cmp_ps((a).lo, (b).lo, predicate), _mm256_cmp_ps((a).hi, (b).hi, predicate))
@@ -109,8 +111,8 @@ INLINE f32x16 pair_scalef_ps(f32x16 a, f32x16 n) {  /* a x 2^n, n whole in [-126
 /* 32-bit integer lanes. */
 INLINE i32x16 pair_set1_epi32(int a) { return (i32x16){_mm256_set1_epi32(a), _mm256_set1_epi32(a)}; }
 INLINE i32x16 pair_setzero_si512(void) { return pair_set1_epi32(0); }
-INLINE i32x16 pair_set_epi32(int e15, int e14, int e13, int e12, int e11, int e10, int e9, int e8, int e7, int e6,
-                        int e5, int e4, int e3, int e2, int e1, int e0) {
+INLINE i32x16 pair_set_epi32(int e15, int e14, int e13, int e12, int e11, int e10, int e9, int e8,
+                             int e7, int e6, int e5, int e4, int e3, int e2, int e1, int e0) {
   return (i32x16){_mm256_set_epi32(e7, e6, e5, e4, e3, e2, e1, e0),
                   _mm256_set_epi32(e15, e14, e13, e12, e11, e10, e9, e8)};
 }

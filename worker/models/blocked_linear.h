@@ -2,8 +2,9 @@
  * blocks of 16 outputs: packed[N / 16][K][16], so one pass reads the weights as one contiguous stream.
  *
  * A tile holds up to MAX_ROWS rows x WIDE blocks of accumulators and runs over k: each k loads WIDE
- * weight vectors, broadcasts one x value per row and adds one fused multiply per row and block. Every output sums over k in order, so a row's result does not depend on M or on the tile
- * it falls in: one row decoded alone and the same row in a batch give the same bits. The bias and
+ * weight vectors, broadcasts one x value per row and adds one fused multiply per row and block.
+ * Every output sums over k in order, so a row's result does not depend on M or on the tile it
+ * falls in: one row decoded alone and the same row in a batch give the same bits. The bias and
  * the residual are added as torch adds them after a matmul ((x @ W^T + bias), then residual + it).
  */
 #ifndef BLOCKED_LINEAR_H
@@ -65,8 +66,8 @@ static const tile_fn TILES[2][MAX_ROWS] = {{tile_1_1, tile_2_1, tile_3_1}, {tile
 
 /* x: [M, K] dense; packed: [N / 16, K, 16]; y, residual: [M, N] dense (residual may be y, or NULL);
  * bias: [N] or NULL. N must be a multiple of 16. The work splits over groups of WIDE blocks (then
- * single blocks), each group's weights read once per MAX_ROWS rows, shared out among the threads of the
- * parallel region it is called in (an `omp for`, which ends in a barrier). */
+ * single blocks), each group's weights read once per MAX_ROWS rows, shared out among the threads
+ * of the parallel region it is called in (an `omp for`, which ends in a barrier). */
 static void blocked_linear_in_team(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
                                    const float *bias, const float *residual, float *y) {
   const int64_t blocks = N / 16, groups = blocks / WIDE, units = groups + blocks % WIDE;
