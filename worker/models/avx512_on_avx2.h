@@ -72,19 +72,16 @@ INLINE void pair_mask_storeu_ps(float *p, __mmask16 m, f32x16 a) {
   _mm256_maskstore_ps(p + 8, pair_lanes_of(m >> 8), a.hi);
 }
 
-/* Reductions over the 16 lanes. */
-INLINE float pair_reduce_add_ps(f32x16 a) {
-  const __m256 s = _mm256_add_ps(a.lo, a.hi);
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-INLINE float pair_reduce_max_ps(f32x16 a) {
-  const __m256 s = _mm256_max_ps(a.lo, a.hi);
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
+/* Reductions over the 16 lanes: halves, then quarters, pairs and the last two lanes. */
+#define PAIR_REDUCE(name, op256, op128, op_lowest)                                      \
+  INLINE float pair_reduce_##name(f32x16 a) {                                           \
+    const __m256 s = op256(a.lo, a.hi);                                                 \
+    __m128 x = op128(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));           \
+    x = op128(x, _mm_movehl_ps(x, x));                                                  \
+    return _mm_cvtss_f32(op_lowest(x, _mm_movehdup_ps(x)));                             \
+  }
+PAIR_REDUCE(add_ps, _mm256_add_ps, _mm_add_ps, _mm_add_ss)
+PAIR_REDUCE(max_ps, _mm256_max_ps, _mm_max_ps, _mm_max_ss)
 
 #define pair_shuffle_ps(a, b, imm) \
   pair_of(_mm256_shuffle_ps((a).lo, (b).lo, imm), _mm256_shuffle_ps((a).hi, (b).hi, imm))

@@ -65,11 +65,12 @@ def build(source: Path, into: Path | None = None, target_isa: str = "AVX512") ->
 @functools.cache
 def load(stem: str) -> ctypes.CDLL | None:
     """The library built from HERE/<stem>.c, or None where it cannot run."""
-    if isa() is None:
+    level = isa()
+    if level is None:
         log.info("neither AVX-512 nor AVX2 on this CPU: %s stays with torch's ops", stem)
         return None
     try:
-        return ctypes.CDLL(str(build(HERE / f"{stem}.c", target_isa=isa())))
+        return ctypes.CDLL(str(build(HERE / f"{stem}.c", target_isa=level)))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the %s kernel could not be built (%s): torch's ops run instead", stem,
                     getattr(e, "stderr", None) or e)
