@@ -7,7 +7,7 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.speculation import MAX_DRAFT_LAG, Speculation
+from worker.engine.speculation import CATCH_UP_CHUNK, Speculation
 from worker.models.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -55,24 +55,29 @@ def test_greedy_with_k_changing_every_step_equals_greedy_plain(checkpoints, batc
     assert spec.stats.draft_tokens < 4 * spec.stats.drafts  # steps did propose fewer than K
 
 
-def test_plain_steps_keep_the_draft_within_the_lag_bound(checkpoints):
-    """Long runs of plain steps feed the draft what it missed, MAX_DRAFT_LAG tokens at a time;
-    the proposals after them are still the target's own tokens (all accepted) and exact."""
-    params = SamplingParams(max_tokens=2 * MAX_DRAFT_LAG + 8, temperature=0, ignore_eos=True)
+def test_a_dormant_draft_reads_nothing_until_a_step_proposes(checkpoints):
+    """Neither prefill nor plain steps run a dormant draft, however far behind it falls; the next
+    step that proposes first feeds it what it missed, CATCH_UP_CHUNK tokens a row per forward, and
+    its proposals are still the target's own tokens (all accepted) and exact."""
+    params = SamplingParams(max_tokens=3 * CATCH_UP_CHUNK + 8, temperature=0, ignore_eos=True)
     plain = engine(checkpoints["llama"]).generate(prompts(4), params)
     spec = engine(checkpoints["llama"], checkpoints["llama"])
-    spec.speculation = Scripted([4] + [0] * (2 * MAX_DRAFT_LAG) + [2])
-    lags, step = [], spec.step
+    spec.speculation = Scripted([0] * (3 * CATCH_UP_CHUNK) + [2])
+    spec.speculation.current = 0  # asleep from the start: the prompts' prefill leaves the draft out
+    draft_reads, forward = [], spec.runner.forward
 
-    def step_and_measure():
-        outputs = step()
-        lags.extend(len(s) - s.num_draft_cached for s in spec.scheduler.running)
-        return outputs
+    def forward_and_record(name, rows, *args, **kw):
+        if name == "draft":
+            draft_reads.append((spec.speculation.current, max(map(len, rows))))
+        return forward(name, rows, *args, **kw)
 
-    spec.step = step_and_measure
+    spec.runner.forward = forward_and_record
     assert [r[0] for r in spec.generate(prompts(4), params)] == [r[0] for r in plain]
-    assert max(lags) == MAX_DRAFT_LAG  # the next plain step feeds it these tokens
-    assert spec.stats.acceptance_rate == 1.0
+    assert spec.stats.acceptance_rate == 1.0 and spec.stats.drafts == 4
+    assert all(k == 2 for k, _ in draft_reads)  # only in the step that proposes
+    assert max(n for _, n in draft_reads) == CATCH_UP_CHUNK
+    # The longest row is 17 + 1 + 48 = 66 tokens behind: 4 chunks leave 2 for the first of 2 proposals.
+    assert len(draft_reads) == 4 + 2
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])

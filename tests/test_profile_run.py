@@ -5,11 +5,11 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.profile_run import profile_blocks, run_worst_case
-from worker.engine.speculation import MAX_DRAFT_LAG
+from worker.engine.speculation import CATCH_UP_CHUNK
 from worker.models.loader import load_model
 
 
-@pytest.mark.parametrize("speculation, behind", [("fixed", 2), ("adaptive", 2 + MAX_DRAFT_LAG)])
+@pytest.mark.parametrize("speculation, behind", [("fixed", 2), ("adaptive", CATCH_UP_CHUNK)])
 def test_decode_step_proposes_k_after_the_longest_catch_up(checkpoints, speculation, behind):
     cpu = torch.device("cpu")
     config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"], max_model_len=64,
@@ -24,5 +24,5 @@ def test_decode_step_proposes_k_after_the_longest_catch_up(checkpoints, speculat
     run_worst_case(runner, config)
     decode = calls[2:]  # after the target's and the draft's prefill
     # A plain step runs the target alone; a step that proposes again first feeds the draft what it missed
-    # (the bonus token, and each plain step's token since), then proposes k-1 more, then verifies k+1.
+    # (the bonus token, or after plain steps what its catch-up left), then proposes k-1 more, then verifies k+1.
     assert decode == [("draft", 3, behind), ("draft", 3, 1), ("draft", 3, 1), ("target", 3, 4)]

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from worker.engine.speculation import (
-    MAX_DRAFT_LAG,
+    MAX_PROBE_EVERY,
     PROBE_EVERY,
     Acceptance,
     AdaptiveSpeculation,
@@ -113,8 +113,19 @@ def test_k_never_exceeds_the_bound_and_proposals_never_stop_for_long(policy):
     for batch, alpha in [(1, 0.0), (32, 0.0), (3, 0.5), (16, 0.99)]:
         chosen += drive(spec, clock, 150, batch, step_cost(0.2, 1.0, 0.3), alpha, random.Random(5))
     assert set(chosen) <= set(range(K + 1)) and set(chosen) == set(range(K + 1))
-    # Probes keep proposing while k=0 pays best, so the acceptance rate stays measured.
-    assert MAX_DRAFT_LAG < longest_plain_run(chosen) < PROBE_EVERY
+
+
+def test_probes_back_off_while_plain_wins_and_return_when_proposals_pay(policy):
+    spec, clock = policy
+    chosen = drive(spec, clock, 4000, 8, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(9))
+    probes = [i for i, k in enumerate(chosen) if k][2:]  # after the two steps that first measure K
+    # Each probe wakes the dormant draft (it reads every token since the last): rarer each time.
+    assert [b - a for a, b in zip(probes, probes[1:])] == [64, 128, 256, 512] + [MAX_PROBE_EVERY] * 2
+    assert spec.current == 0
+    chosen = drive(spec, clock, 2 * MAX_PROBE_EVERY, 8, step_cost(0.05, 1.0, 0.02), 0.95, random.Random(9))
+    assert spec.current == K
+    # Awake, the draft is up to date: probes of other ks are cheap, and come every PROBE_EVERY steps again.
+    assert 0 < chosen[-4 * PROBE_EVERY:].count(0) <= 4
 
 
 def test_a_slow_first_step_is_not_taken_as_the_cost(policy):

@@ -21,7 +21,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify
-from worker.engine.speculation import MAX_DRAFT_LAG, speculation_policy
+from worker.engine.speculation import CATCH_UP_CHUNK, speculation_policy
 from worker.memory.device import get_device
 from worker.memory.ledger import Ledger, format_table, summary_line
 from worker.memory.profiler import collecting_only_new_objects, measure_held, measure_weights
@@ -188,11 +188,14 @@ class LLMEngine:
         starts = [s.num_cached for s in seqs]
         tables = [s.block_table for s in seqs]
         logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
-        if self.max_k:
+        draft_reads = self.max_k and self.speculation.current  # a dormant draft reads when it proposes
+        if draft_reads:
             self.runner.forward("draft", rows, starts, tables, 0)
         for s in seqs:
             self.stats.prompt_tokens += len(s) - s.num_cached
-            s.num_cached = s.num_draft_cached = len(s)
+            s.num_cached = len(s)
+            if draft_reads:
+                s.num_draft_cached = len(s)
         rp = self._rows(seqs)
         tokens = draw(logits, rp)
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
@@ -203,29 +206,30 @@ class LLMEngine:
                                      [s.block_table for s in seqs], 1)[:, 0]
         for s in seqs:
             s.num_cached = len(s)
-        if self.max_k and any(len(s) - s.num_draft_cached >= MAX_DRAFT_LAG for s in seqs):
-            self._draft_catch_up([s for s in seqs if s.num_draft_cached < len(s)])
         rp = self._rows(seqs)
         tokens = draw(logits, rp)
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
     def _draft_catch_up(self, seqs: list[Sequence]) -> None:
-        """The draft reads the tokens of the plain steps it missed (no logits): one forward per
-        MAX_DRAFT_LAG plain steps keeps its next proposal's catch-up within what the profile ran.
-        Every row behind comes along, so the rows stay in step and one plain step in MAX_DRAFT_LAG
-        pays for it (a plain step's cost is what adaptive speculation weighs proposals against)."""
-        self.runner.forward("draft", [s.token_ids[s.num_draft_cached:] for s in seqs],
-                            [s.num_draft_cached for s in seqs], [s.block_table for s in seqs], 0)
-        for s in seqs:
-            s.num_draft_cached = len(s)
+        """The draft reads what it missed while dormant (no logits), CATCH_UP_CHUNK tokens a row
+        per forward, until every row is at most that far behind: the first proposal reads the
+        rest, a shape the profile ran. Its time is left out of the step's cost."""
+        with self.speculation.uncounted():
+            while behind := [s for s in seqs if len(s) - s.num_draft_cached > CATCH_UP_CHUNK]:
+                starts = [s.num_draft_cached for s in behind]
+                self.runner.forward("draft", [s.token_ids[n:n + CATCH_UP_CHUNK] for s, n in zip(behind, starts)],
+                                    starts, [s.block_table for s in behind], 0)
+                for s in behind:
+                    s.num_draft_cached += CATCH_UP_CHUNK
 
     def _decode_speculative(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[int], list]:
+        self._draft_catch_up(seqs)
         B, dev = len(seqs), self.device.torch_device
         lens = [len(s) for s in seqs]
         tables = self.runner.block_tables([s.block_table for s in seqs])
         rp = self._rows(seqs)
-        # Propose: k draft steps; the first also catches up on tokens the draft has not seen
-        # (the bonus token, and every token of the plain steps since the last proposal).
+        # Propose: k draft steps; the first also reads the tokens the draft has not seen
+        # (the bonus token, or the last of a catch-up).
         rows = [s.token_ids[s.num_draft_cached:] for s in seqs]
         starts = [s.num_draft_cached for s in seqs]
         feed = None

@@ -10,7 +10,7 @@ from worker.engine.sampler import RowParams, probabilities, sample
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify
-from worker.engine.speculation import MAX_DRAFT_LAG
+from worker.engine.speculation import CATCH_UP_CHUNK
 
 # Sampling with top-k and top-p takes the most memory (a sort of the vocabulary).
 WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
@@ -48,9 +48,9 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
         logits = runner.forward("target", [[1]] * B, [start] * B, [table] * B, 1)[:, 0]
         sample(probabilities(logits, rp), rp)
         return
-    # The first draft step catches up on the bonus token and, with adaptive speculation, on
-    # every token of the plain steps run since the last proposal.
-    behind = min(longest, 2 + (MAX_DRAFT_LAG if config.speculation == "adaptive" else 0))
+    # The first draft step reads the bonus token and the token before it or, with adaptive
+    # speculation, what is left of the draft's catch-up after plain steps (up to a chunk).
+    behind = min(longest, CATCH_UP_CHUNK if config.speculation == "adaptive" else 2)
     draft_probs, drafts = [], []
     for i in range(k):
         rows_i = [[1] * behind] * B if i == 0 else [[1]] * B

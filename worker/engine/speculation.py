@@ -5,15 +5,22 @@ k proposals emit (1 - a^(k+1)) / (1 - a) tokens per row, and the step costs k dr
 plus a target step over k+1 positions (k=0: a plain target step). The policy measures that
 cost itself, as the wall time of whole decode steps per row, for each k and batch-size bucket,
 and picks the k in 0..K with the most expected tokens per second.
+
+While plain steps win, the draft lies dormant: it reads no tokens, and only a step that proposes
+catches it up (the engine). Probes then cost that catch-up, so they grow rarer while plain keeps
+winning.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 
 PROBE_EVERY = 32  # steps of a bucket between probes of another k: costs drift with context and load
-MAX_DRAFT_LAG = 16  # tokens the draft may fall behind: a plain step this far behind catches it up
+PROBE_BACKOFF = 2  # while plain wins, each probe waits this many times longer than the last,
+MAX_PROBE_EVERY = 1024  # up to this many steps: a dormant draft's probe reads every token since the last
+CATCH_UP_CHUNK = 16  # tokens per row one draft forward reads when it catches up (the profile runs it)
 COST_WINDOW = 5  # step times kept per (bucket, k): a slow step (contention, warm-up) is outlived
 MIN_GAIN = 1.1  # proposals must promise this many times plain's tokens per second: near break-even,
 # the estimates' noise (costs measured minutes apart, at other context lengths) decides, and loses
@@ -79,6 +86,27 @@ class StepCosts:
         return times[below] + (times[above] - times[below]) * (k - below) / (above - below)
 
 
+class ProbeSchedule:
+    """When a bucket next tries a k other than the best: every PROBE_EVERY steps while it
+    proposes; while plain wins, PROBE_BACKOFF times longer after each probe, up to MAX_PROBE_EVERY
+    steps. A dormant draft's probe first reads every token since the last one: only requests that
+    end before it is caught up save the draft its work, so the interval soon outgrows them."""
+
+    def __init__(self):
+        self.step = self.count = 0  # decode steps and probes so far
+        self.next = self.interval = PROBE_EVERY
+
+    def due(self, best: int) -> bool:
+        self.step += 1
+        if best and self.interval > PROBE_EVERY:  # awake again: probes are cheap once more
+            self.next, self.interval = min(self.next, self.step + PROBE_EVERY), PROBE_EVERY
+        if self.step < self.next:
+            return False
+        self.interval = min(PROBE_BACKOFF * self.interval, MAX_PROBE_EVERY) if best == 0 else PROBE_EVERY
+        self.next, self.count = self.step + self.interval, self.count + 1
+        return True
+
+
 class Speculation:
     """Fixed k: every decode step proposes K tokens. Subclasses choose per step."""
 
@@ -87,17 +115,28 @@ class Speculation:
         self.current = max_k  # the k chosen for the latest step, probes aside (a metric)
         self.clock = clock
         self._step: tuple[int, int, float] | None = None
+        self._uncounted = 0.0
 
     def start_step(self, batch_size: int, pinned: bool = False) -> int:
         """The k of the decode step about to run (K when pinned); its time runs until finish_step."""
         k = self.max_k if pinned else self.choose(batch_size)
-        self._step = (batch_size, k, self.clock())
+        self._step, self._uncounted = (batch_size, k, self.clock()), 0.0
         return k
+
+    @contextmanager
+    def uncounted(self):
+        """Leaves the work inside out of the step's cost: the draft catching up on the tokens of
+        earlier plain steps is owed to how long it lay dormant, not to this step's k."""
+        started = self.clock()
+        try:
+            yield
+        finally:
+            self._uncounted += self.clock() - started
 
     def finish_step(self, num_accepted: list[int] | None) -> None:
         """Accepted proposals per row (None for a plain step) of the step start_step began."""
         batch_size, k, started = self._step
-        self.observe(batch_size, k, self.clock() - started, num_accepted)
+        self.observe(batch_size, k, self.clock() - started - self._uncounted, num_accepted)
 
     def choose(self, batch_size: int) -> int:
         return self.max_k
@@ -113,20 +152,22 @@ class AdaptiveSpeculation(Speculation):
         super().__init__(max_k, clock)
         self.acceptance = Acceptance()
         self.costs = StepCosts()
-        self._steps: dict[int, int] = {}  # decode steps seen per bucket
+        self._probes: dict[int, ProbeSchedule] = {}
 
     def choose(self, batch_size: int) -> int:
         b, K = bucket(batch_size), self.max_k
-        n = self._steps[b] = self._steps.get(b, 0) + 1
+        probes = self._probes.setdefault(b, ProbeSchedule())
         # Both ends are measured first (K also measures acceptance): the costs between are interpolated.
         if not self.costs.known(b, K):
             return K
         if not self.costs.known(b, 0):
             return 0
-        if n % PROBE_EVERY == 0:  # each k in turn, so no estimate goes stale
-            return n // PROBE_EVERY % (K + 1)
-        self.current = self._best(b)
-        return self.current
+        best = self._best(b)
+        if probes.due(best):  # each other k in turn, so no estimate goes stale
+            others = [k for k in range(K + 1) if k != best]
+            return others[probes.count % len(others)]
+        self.current = best
+        return best
 
     def _best(self, b: int) -> int:
         alpha = self.acceptance.rate or 0.0
