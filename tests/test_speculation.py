@@ -160,3 +160,14 @@ def test_steps_slowed_by_other_work_do_not_decide(policy):
     drive(spec, clock, 400, 32, lambda k: cost(k) * (1 + 5 * noise.random() if noise.random() < 0.3 else 1),
           0.7, random.Random(8))
     assert spec.current == 0
+
+
+def test_the_draft_catching_up_is_left_out_of_the_step_cost(policy):
+    spec, clock = policy
+    for _ in range(2):  # the first step of a (bucket, k) is warm-up, left out
+        k = spec.start_step(1)
+        with spec.uncounted():  # the draft reads what it missed while dormant
+            clock.now += 100.0
+        clock.now += 1.0
+        spec.finish_step([k])
+    assert spec.costs.estimate(0, K) == 1.0

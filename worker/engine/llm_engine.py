@@ -154,7 +154,7 @@ class LLMEngine:
             new_tokens, accepted, logprobs = self._decode_speculative(batch.seqs, k)
         self.stats.steps += 1
         outputs = self._postprocess(batch.seqs, new_tokens, accepted, logprobs)
-        if k is not None:  # the whole step is its cost: proposals, verification and bookkeeping
+        if k is not None:  # the step is its cost (proposals, verification, bookkeeping), less any catch-up
             self.speculation.finish_step(accepted)
             self.stats.current_speculative_tokens = self.speculation.current
         return outputs
