@@ -188,14 +188,13 @@ class LLMEngine:
         starts = [s.num_cached for s in seqs]
         tables = [s.block_table for s in seqs]
         logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
-        draft_reads = self.max_k and self.speculation.current  # a dormant draft reads when it proposes
-        if draft_reads:
+        if self.max_k and self.speculation.current:  # a dormant draft reads when it proposes
             self.runner.forward("draft", rows, starts, tables, 0)
+            for s in seqs:
+                s.num_draft_cached = len(s)
         for s in seqs:
             self.stats.prompt_tokens += len(s) - s.num_cached
             s.num_cached = len(s)
-            if draft_reads:
-                s.num_draft_cached = len(s)
         rp = self._rows(seqs)
         tokens = draw(logits, rp)
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
