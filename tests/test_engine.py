@@ -18,8 +18,11 @@ def prompts(n):
     return [torch.randint(0, 300, (2 + 5 * i,), generator=gen).tolist() for i in range(n)]
 
 
-def engine(target, draft=None, **kw):
-    return LLMEngine(EngineConfig(model=target, draft_model=draft, max_model_len=128, **kw))
+def engine(target, draft=None, speculation="fixed", **kw):
+    """Fixed by default: every decode step proposes K, the strictest run of propose, verify and
+    roll back (the default, adaptive, is tested here by name)."""
+    return LLMEngine(EngineConfig(model=target, draft_model=draft, max_model_len=128,
+                                  speculation=speculation, **kw))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

@@ -17,8 +17,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     draft.add_argument("--no-draft", action="store_true", help="plain decoding, no draft model")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="draft tokens per step: the upper bound with adaptive speculation (default 4)")
-    p.add_argument("--speculation", choices=["fixed", "adaptive"], default="fixed",
-                   help="adaptive: k in 0..K each step, by measured acceptance and step costs; fixed: always K")
+    p.add_argument("--speculation", choices=["fixed", "adaptive"], default="adaptive",
+                   help="adaptive (default): k in 0..K each step, by measured acceptance and step costs; "
+                        "fixed: always K")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",

@@ -17,7 +17,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     draft_model: str | None = DEFAULT_DRAFT_MODEL
     num_speculative_tokens: int = 4  # K: every step's k with --speculation fixed, the upper bound with adaptive
-    speculation: str = "fixed"  # adaptive: k in 0..K per step (slower than fixed K so far: README)
+    speculation: str = "adaptive"  # k in 0..K per step by measured cost; fixed: always K (for comparison)
     device: str = "auto"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 (or fp16) on CUDA
     block_size: int = 16
