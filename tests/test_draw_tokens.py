@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from worker.engine import sampler
-from worker.engine.sampler import RowParams, draw, inverse_cdf
+from worker.engine.sampler import RowParams, draw, inverse_cdf, probabilities, propose
 from worker.engine.sampler import draw_tokens as run_kernel
 from worker.engine.sampling_params import SamplingParams
 
@@ -77,3 +77,26 @@ def test_a_seeded_row_draws_the_same_token_alone_and_in_a_batch():
         return RowParams(params[:n], [torch.Generator().manual_seed(7)] + [None] * (n - 1), torch.device("cpu"))
 
     assert draw(logits[:1], rows(1)).item() == draw(logits, rows(4))[0].item()
+
+
+@needs_kernel
+def test_a_draft_step_gets_the_probabilities_its_tokens_were_drawn_from():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 2051, generator=g) * 3  # a vocabulary that ends mid-vector
+    temperature, u = torch.rand(6, generator=g) + 0.5, torch.rand(6, generator=g)
+    probs = torch.full_like(logits, float("nan"))
+    tokens = run_kernel(logits, temperature, u, probs=probs)
+    assert torch.allclose(probs, (logits / temperature[:, None]).softmax(-1), rtol=1e-4, atol=1e-7)
+    assert torch.allclose(probs.sum(-1), torch.ones(6), atol=1e-5)
+    assert tokens.tolist() == run_kernel(logits, temperature, u).tolist()  # the same draws as without
+
+
+def test_draft_rows_the_kernel_does_not_take_get_torchs_probabilities(monkeypatch):
+    monkeypatch.setattr(sampler, "_draw_kernel", lambda: pytest.fail("the kernel ran"))
+    logits, cpu = torch.randn(3, 50), torch.device("cpu")
+    greedy = RowParams([SamplingParams(temperature=0)] * 3, [None] * 3, cpu)
+    q, tokens = propose(logits, greedy)
+    assert torch.equal(q, probabilities(logits, greedy)) and tokens.tolist() == logits.argmax(-1).tolist()
+    top_k = RowParams([SamplingParams(temperature=0.7, top_k=5)] * 3, [None] * 3, cpu)
+    q, tokens = propose(logits, top_k)
+    assert torch.equal(q, probabilities(logits, top_k)) and q[torch.arange(3), tokens].gt(0).all()

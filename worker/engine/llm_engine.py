@@ -16,7 +16,7 @@ from worker.engine.memory_setup import plan_memory
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from worker.engine.penalties import History
-from worker.engine.sampler import RowParams, draw, probabilities, sample, top_logprobs
+from worker.engine.sampler import RowParams, draw, probabilities, propose, top_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
@@ -235,8 +235,7 @@ class LLMEngine:
         draft_probs, draft_tokens = [], []
         for i in range(k):
             logits = self.runner.forward("draft", rows, starts, tables, 1, input_ids=feed)[:, 0]
-            q = probabilities(logits, rp, torch.stack(draft_tokens, 1) if draft_tokens else None)  # [B, V]
-            d = sample(q, rp)  # [B]
+            q, d = propose(logits, rp, torch.stack(draft_tokens, 1) if draft_tokens else None)  # [B, V], [B]
             draft_probs.append(q)
             draft_tokens.append(d)
             rows, starts, feed = [[0]] * B, [n + i for n in lens], d[:, None]

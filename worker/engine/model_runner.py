@@ -73,12 +73,12 @@ class ModelRunner:
         # Compiled, no logits and unpadded rows would each be graphs of their own: one logit at least
         # (dropped below) and every row's tokens written by index make one graph serve them all.
         n = max(1, num_logits) if compiled else num_logits
-        batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, n, self.device)
+        if input_ids is not None and compiled and not input_ids.is_inference():
+            input_ids = input_ids.clone()  # compiled graphs are guarded on inference tensors, as batches' are
+        batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, n, self.device, input_ids)
         if not compiled:  # a compiled forward's buffers are its own (inductor plans them)
             batch.workspace = self.workspace
         elif batch.write_rows is None:
             batch.write_rows = torch.arange(batch.write_slots.numel(), device=self.device)
-        if input_ids is not None:  # compiled graphs are guarded on inference tensors, as batches' are
-            batch.input_ids = input_ids.clone() if compiled and not input_ids.is_inference() else input_ids
         logits = self.run[name](batch, self.kv[name])
         return logits[:, :num_logits] if compiled else logits

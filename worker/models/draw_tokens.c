@@ -8,6 +8,8 @@
  * Cumulative weights are summed in one fixed order (blocks in turn, lanes in turn within the
  * chosen block), so a row's token depends on its logits, temperature and u only, never on its
  * batch. A token whose weight is 0 (a logit of -inf) is never drawn.
+ * A draft step also needs the distribution it drew from (verification divides by it): given
+ * `probs`, the kernel writes each row's weights / total there, one more pass over the scratch row.
  * Built and loaded by native.py.
  */
 #include <immintrin.h>
@@ -17,9 +19,9 @@
 
 #include "vector16.h"
 
-/* logits [N, V] dense; temperature [N] (> 0); u [N] in [0, 1); tokens [N] out. */
+/* logits [N, V] dense; temperature [N] (> 0); u [N] in [0, 1); tokens [N] out; probs [N, V] out, or NULL. */
 void draw_tokens(const float *logits, int64_t N, int64_t V, const float *temperature, const float *u,
-                 int64_t *tokens) {
+                 int64_t *tokens, float *probs) {
   const int64_t blocks = (V + 15) / 16;
   float *weights = _mm_malloc(blocks * 16 * sizeof(float), 64);
   float *block_sums = malloc(blocks * sizeof(float));
@@ -41,6 +43,12 @@ void draw_tokens(const float *logits, int64_t N, int64_t V, const float *tempera
     }
     float total = 0;
     for (int64_t b = 0; b < blocks; b++) total += block_sums[b];
+    if (probs) {
+      const __m512 scale = _mm512_set1_ps(1.0f / total);
+      for (int64_t i = 0; i < V; i += 16)
+        _mm512_mask_storeu_ps(probs + r * V + i, tail_mask(V - i),
+                              _mm512_mul_ps(_mm512_loadu_ps(weights + i), scale));
+    }
     float target = u[r] * total;
     if (target >= total) target = nextafterf(total, 0);  /* u just below 1 may round up to the total */
     /* The block whose end passes the target: its start is at most the target, its end above it
