@@ -16,11 +16,11 @@ from worker.engine.memory_setup import plan_memory
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from worker.engine.penalties import History
-from worker.engine.sampler import RowParams, draw, probabilities, propose, top_logprobs
+from worker.engine.sampler import RowParams, draw, propose, top_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
-from worker.engine.spec_decode import verify
+from worker.engine.spec_decode import verify_logits
 from worker.engine.speculation import CATCH_UP_CHUNK, speculation_policy
 from worker.memory.device import get_device
 from worker.memory.ledger import Ledger, format_table, summary_line
@@ -244,10 +244,7 @@ class LLMEngine:
         last = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)[:, None]
         logits = self.runner.forward("target", [[0] * (k + 1)] * B, [n - 1 for n in lens], tables,
                                      k + 1, input_ids=torch.cat([last, drafts], 1))  # [B, k+1, V]
-        # Penalties see the proposals before each position, as the draft saw them when proposing.
-        adjusted = logits if rp.history is None else rp.history.adjust_positions(logits, drafts)
-        p = probabilities(adjusted.flatten(0, 1), rp.expand(k + 1)).view(B, k + 1, -1)
-        num_accepted, tokens = verify(drafts, torch.stack(draft_probs, 1), p, rp)
+        num_accepted, tokens = verify_logits(drafts, torch.stack(draft_probs, 1), logits, rp)
         accepted = num_accepted.tolist()
         emitted = [row[:n + 1] for row, n in zip(tokens.tolist(), accepted)]
         # Roll back: only the accepted proposals' keys and values stay valid.

@@ -110,11 +110,15 @@ def _draw_kernel():
                            pointer, pointer, pointer)
 
 
-def _draws_in_c(logits: torch.Tensor, rows: RowParams) -> bool:
-    """Whether draw_tokens.c can sample these rows: each only at a temperature (no greedy row, no
-    penalty, top-k or top-p), float32 logits on an AVX-512 or AVX2 CPU."""
+def only_temperature(logits: torch.Tensor, rows: RowParams) -> bool:
+    """Whether every row samples at a temperature only (no greedy row, no penalty, top-k or top-p)
+    from float32 logits on the CPU: the rows the C kernels (draw_tokens.c, verify_tokens.c) take."""
     return not (rows.any_greedy or rows.needs_filter or rows.history is not None) and \
-        logits.device.type == "cpu" and logits.dtype == torch.float32 and _draw_kernel() is not None
+        logits.device.type == "cpu" and logits.dtype == torch.float32
+
+
+def _draws_in_c(logits: torch.Tensor, rows: RowParams) -> bool:
+    return only_temperature(logits, rows) and _draw_kernel() is not None
 
 
 def draw(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
