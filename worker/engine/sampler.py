@@ -138,7 +138,7 @@ def propose(logits: torch.Tensor, rows: RowParams, proposed: torch.Tensor | None
     if not _draws_in_c(logits, rows):
         q = probabilities(logits, rows, proposed)
         return q, sample(q, rows)
-    q = torch.empty_like(logits)
+    q = torch.empty(logits.shape, dtype=torch.float32)  # dense row-major, as the kernel writes it
     return q, draw_tokens(logits, rows.temperature, uniforms(rows, logits.device), probs=q)
 
 
