@@ -1,5 +1,5 @@
-"""Every decoder layer in one C call (decoder_layers.c) computes what the layers in torch compute, and
-keeps the bit-for-bit promises of the kernels it runs: a row alone and in a batch, a token decoded
+"""A decode step's forward in one C call (decoder_layers.c) computes what the model in torch computes,
+and keeps the bit-for-bit promises of the kernels it runs: a row alone and in a batch, a token decoded
 alone and verified among a draft's, one thread and two."""
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 
 from worker.models import decoder_layers
 from worker.models.attention import build_paged_batch
+from worker.models.decoder_layers import DecoderForward
 from worker.models.loader import load_model
+from worker.models.packed_linear import plain
 
 needs_kernel = pytest.mark.skipif(decoder_layers._kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here")
 CPU = torch.device("cpu")
@@ -17,12 +19,12 @@ TABLES = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
 def forward(model, batch, cache, fused: bool) -> torch.Tensor:
-    kept = model.fused_layers
-    model.fused_layers = kept if fused else None
+    kept = model.fused_forward
+    model.fused_forward = kept if fused else None
     try:
         return model(batch, cache)
     finally:
-        model.fused_layers = kept
+        model.fused_forward = kept
 
 
 def prefilled(model, lengths=(5, 40, 17)):
@@ -38,14 +40,14 @@ def prefilled(model, lengths=(5, 40, 17)):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])  # mistral: a sliding window of 12
 def test_decode_and_verify_steps_match_the_layers_in_torch(checkpoints, family):
     model = load_model(checkpoints[family], torch.float32, CPU)
-    assert model.fused_layers is not None
+    assert model.fused_forward is not None
     cache, prompts = prefilled(model)
     lengths = [len(p) for p in prompts]
     steps = [build_paged_batch([[7], [8], [9]], lengths, TABLES, BLOCK, 1, CPU),
              build_paged_batch([[1, 2, 3, 4]] * 3, [n + 1 for n in lengths], TABLES, BLOCK, 4, CPU)]
     ours_cache, torch_cache = cache.clone(), cache.clone()
     for step in steps:
-        assert model.fused_layers.runs_on(torch.zeros(1), cache, step)
+        assert model.fused_forward.runs_on(cache, step)
         ours, theirs = forward(model, step, ours_cache, True), forward(model, step, torch_cache, False)
         # Every stage computes its kernel's bits save SiLU (its own e^x): last-bit differences only.
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
@@ -97,5 +99,32 @@ def test_a_prompts_prefill_and_plain_weights_keep_the_layers_in_torch(checkpoint
     model = load_model(checkpoints["llama"], torch.float32, CPU)
     cache = torch.zeros(model.kv_cache_shape(12 * BLOCK))
     prefill = build_paged_batch([[1, 2, 3]], [0], TABLES[:1], BLOCK, 1, CPU)
-    assert not model.fused_layers.runs_on(torch.zeros(1), cache, prefill)  # SDPA over its own tokens
-    assert load_model(checkpoints["llama"], torch.float32, CPU, pack=False).fused_layers is None  # compile's
+    assert not model.fused_forward.runs_on(cache, prefill)  # SDPA over its own tokens
+    assert load_model(checkpoints["llama"], torch.float32, CPU, pack=False).fused_forward is None  # compile's
+
+
+@needs_kernel
+def test_a_step_without_logits_fills_the_cache_as_torch_does(checkpoints):
+    """The draft's catch-up reads tokens and wants no logits: the head never runs."""
+    model = load_model(checkpoints["qwen2"], torch.float32, CPU)
+    cache, prompts = prefilled(model)
+    step = build_paged_batch([[1, 2, 3]] * 3, [len(p) for p in prompts], TABLES, BLOCK, 0, CPU)
+    ours_cache, torch_cache = cache.clone(), cache.clone()
+    ours, theirs = forward(model, step, ours_cache, True), forward(model, step, torch_cache, False)
+    assert ours.shape == theirs.shape == (3, 0, model.config.vocab_size)
+    torch.testing.assert_close(ours_cache, torch_cache, atol=2e-5, rtol=2e-5)
+    assert not torch.equal(ours_cache, cache)
+
+
+@needs_kernel
+def test_a_head_that_is_not_blocked_is_left_to_torch(checkpoints):
+    """A vocabulary that is not whole blocks of 16 keeps its head plain: the C call stops at the
+    last layer and torch applies the final norm and the head."""
+    model = load_model(checkpoints["mistral"], torch.float32, CPU)
+    cache, prompts = prefilled(model)
+    step = build_paged_batch([[1, 2], [3, 4], [5, 6]], [len(p) for p in prompts], TABLES, BLOCK, 2, CPU)
+    blocked = forward(model, step, cache.clone(), True)
+    model.lm_head.weight = torch.nn.Parameter(plain(model.lm_head.weight).contiguous(), requires_grad=False)
+    model.fused_forward = DecoderForward(model)
+    assert not model.fused_forward.has_head
+    torch.testing.assert_close(forward(model, step, cache.clone(), True), blocked, atol=2e-5, rtol=2e-5)

@@ -7,7 +7,7 @@ from torch import nn
 
 from worker.models import paged_attention, rms_norm, rotate_store
 from worker.models.attention import PagedBatch
-from worker.models.decoder_layers import DecoderLayers
+from worker.models.decoder_layers import DecoderForward
 from worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
 from worker.models.rope import RotaryEmbedding, rotate_
 
@@ -218,7 +218,7 @@ class CausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = RotaryEmbedding(config, self.head_dim)
-        self.fused_layers: DecoderLayers | None = None  # every layer in one C call (pack_linears sets it)
+        self.fused_forward: DecoderForward | None = None  # decode steps in one C call (pack_linears sets it)
 
     def fuse_projections(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint-shaped q/k/v and gate/up become fused matmuls.
@@ -254,7 +254,7 @@ class CausalLM(nn.Module):
             weight = getattr(module, name)
             if packable(weight):
                 setattr(module, name, nn.Parameter(pack(weight), requires_grad=False))
-        self.fused_layers = DecoderLayers(self) if DecoderLayers.fits(self) else None
+        self.fused_forward = DecoderForward(self) if DecoderForward.fits(self) else None
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """[k/v, layers, slots, kv heads, head dim]: one tensor holds the whole cache."""
@@ -262,11 +262,13 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: PagedBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Logits [B, n, V] at batch.logits_index (n may be 0: fill the cache only)."""
-        x = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary(batch.positions, x.dtype)
-        if self.fused_layers is not None and self.fused_layers.runs_on(x, kv_cache, batch):
-            self.fused_layers(x, cos, sin, kv_cache, batch)  # decode and verify steps
+        if self.fused_forward is not None and self.fused_forward.runs_on(kv_cache, batch):  # decode and verify
+            x, logits = self.fused_forward(batch, kv_cache)
+            if logits is not None:
+                return logits
         else:
+            x = self.model.embed_tokens(batch.input_ids)
+            cos, sin = self.rotary(batch.positions, x.dtype)
             for layer in self.model.layers:
                 x = layer(x, cos, sin, kv_cache, batch)
         if batch.logits_index.shape[1] == 0:

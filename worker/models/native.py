@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+LIBRARIES = ["-lm"]  # after the source: the linker keeps only libraries that something before them needs
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}  # torch's name for the CPU's level
 
 
@@ -45,7 +46,7 @@ def build(source: Path, into: Path | None = None, target_isa: str = "AVX512") ->
     flags = FLAGS + ISA_FLAGS[target_isa]
     # The headers beside the source count too: a change to one rebuilds every kernel.
     text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
-    key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([compiler, *flags, *LIBRARIES]).encode()).hexdigest()[:16]
     into = into or cache_dir()
     into.mkdir(parents=True, exist_ok=True)
     library = into / f"{source.stem}-{key}.so"
@@ -54,7 +55,7 @@ def build(source: Path, into: Path | None = None, target_isa: str = "AVX512") ->
         fd, partial = tempfile.mkstemp(suffix=".so", dir=into)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, str(source), "-o", partial], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, str(source), *LIBRARIES, "-o", partial], check=True, capture_output=True,
                            text=True, timeout=120)
             os.replace(partial, library)
         finally:
