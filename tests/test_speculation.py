@@ -171,3 +171,25 @@ def test_the_draft_catching_up_is_left_out_of_the_step_cost(policy):
         clock.now += 1.0
         spec.finish_step([k])
     assert spec.costs.estimate(0, K) == 1.0
+
+
+def test_near_break_even_an_awake_draft_stays_awake_and_a_dormant_one_stays_dormant(policy):
+    spec, clock = policy
+    # At acceptance 0.8, k=1 promises 1.8 tokens for 1.68 plain steps: 1.07x plain's rate, the best k,
+    # above STAY_GAIN and below MIN_GAIN.
+    cost, alpha = step_cost(0.5, 1.0, 0.18), 0.8
+    chosen = drive(spec, clock, 300, 8, cost, alpha, random.Random(10))
+    assert spec.current == 1 and chosen[-100:].count(1) >= 80  # stopping would not pay
+    drive(spec, clock, 300, 8, cost, 0.0, random.Random(10))
+    assert spec.current == 0
+    chosen = drive(spec, clock, 300, 8, cost, alpha, random.Random(10))
+    assert spec.current == 0 and chosen[-100:].count(0) >= 95  # waking would not pay its catch-up
+
+
+def test_a_new_batch_size_while_dormant_runs_plain_first_and_proposes_at_its_first_probe(policy):
+    spec, clock = policy
+    drive(spec, clock, 200, 8, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(11))
+    assert spec.current == 0
+    # A proposal would wake the draft for every row: 32 new rows wait for their bucket's first probe.
+    chosen = drive(spec, clock, 2 * PROBE_EVERY, 32, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(11))
+    assert PROBE_EVERY <= chosen.index(K) < PROBE_EVERY + 4  # two plain steps measure k=0 first

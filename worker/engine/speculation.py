@@ -22,8 +22,11 @@ PROBE_BACKOFF = 2  # while plain wins, each probe waits this many times longer t
 MAX_PROBE_EVERY = 1024  # up to this many steps: a dormant draft's probe reads every token since the last
 CATCH_UP_CHUNK = 16  # tokens per row one draft forward reads when it catches up (the profile runs it)
 COST_WINDOW = 5  # step times kept per (bucket, k): a slow step (contention, warm-up) is outlived
-MIN_GAIN = 1.1  # proposals must promise this many times plain's tokens per second: near break-even,
-# the estimates' noise (costs measured minutes apart, at other context lengths) decides, and loses
+MIN_GAIN = 1.1  # a dormant draft wakes only when proposals promise this many times plain's tokens per
+# second: waking costs its catch-up, and near break-even the estimates' noise (costs measured minutes
+# apart, at other context lengths) decides, and loses.
+STAY_GAIN = 1.03  # awake, proposals go on while they promise this much: stopping and waking again would
+# pay the catch-up, but a draft kept awake at par also reads every prompt, which no step's cost counts
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
 
 
@@ -158,10 +161,14 @@ class AdaptiveSpeculation(Speculation):
         b, K = bucket(batch_size), self.max_k
         probes = self._probes.setdefault(b, ProbeSchedule())
         # Both ends are measured first (K also measures acceptance): the costs between are interpolated.
-        if not self.costs.known(b, K):
+        # Awake, K goes first; dormant, plain does, and K waits for the bucket's first probe, as waking costs.
+        awake, known_k = self.current > 0, self.costs.known(b, K)
+        if not known_k and awake:
             return K
         if not self.costs.known(b, 0):
             return 0
+        if not known_k:
+            return K if probes.due(0) else 0
         best = self._best(b)
         if probes.due(best):  # each other k in turn, so no estimate goes stale
             others = [k for k in range(K + 1) if k != best]
@@ -173,7 +180,7 @@ class AdaptiveSpeculation(Speculation):
         alpha = self.acceptance.rate or 0.0
         rate = {k: expected_tokens(alpha, k) / self.costs.estimate(b, k) for k in range(self.max_k + 1)}
         best = max(rate, key=rate.get)
-        return best if rate[best] >= MIN_GAIN * rate[0] else 0
+        return best if rate[best] >= (STAY_GAIN if self.current else MIN_GAIN) * rate[0] else 0
 
     def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
         self.costs.observe(bucket(batch_size), k, seconds / batch_size)
