@@ -1,11 +1,12 @@
 /* A decode or verify step's whole forward in one call and one parallel region, for float32 on AVX-512
- * or AVX2 CPUs: the token embeddings and each token's RoPE angles; per layer RMSNorm, the q/k/v matmul, RoPE and the cache write, paged attention, the
- * output matmul plus the residual, RMSNorm, the gate/up matmul, SiLU(gate) x up, the down matmul
- * plus the residual; then the final RMSNorm and the head at the positions whose logits are wanted.
- * Each stage is an `omp for` of the kernels' headers, so threads meet at a
- * barrier between stages instead of starting a region and returning to Python for each one (a
- * step of the shipped target made ~13 calls a layer). Every stage computes what its own kernel
- * computes, to the bit, save SiLU: rows keep their bits alone and in a batch.
+ * or AVX2 CPUs: the token embeddings and each token's RoPE angles; per layer RMSNorm, the q/k/v
+ * matmul, RoPE and the cache write, paged attention, the output matmul plus the residual, RMSNorm,
+ * the gate/up matmul, SiLU(gate) x up, the down matmul plus the residual; then the final RMSNorm and
+ * the head at the positions whose logits are wanted. Each stage is an `omp for` of the kernels'
+ * headers, so threads meet at a barrier between stages instead of starting a region and returning
+ * to Python for each one (a step of the shipped target made ~13 calls a layer). Every stage
+ * computes what its own kernel computes, to the bit, save SiLU and RoPE's cos and sin (the C
+ * library's): rows keep their bits alone and in a batch.
  * Built and loaded by native.py; threads come from torch's OpenMP pool.
  */
 #include <immintrin.h>

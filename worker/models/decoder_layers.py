@@ -95,9 +95,11 @@ class DecoderForward:
         (None where the head is left to the caller)."""
         B, Q = batch.input_ids.shape
         n, M, D = batch.logits_index.shape[1], B * Q, self.head_dim
-        x = torch.empty(B, Q, self.hidden)
-        logits = torch.empty(B, n, self.vocab) if self.has_head else None
-        work = torch.empty(M * (2 * self.hidden + (2 * self.heads + 2 * self.kv_heads + 1) * D + 3 * self.inner))
+        floats = dict(dtype=torch.float32, device=kv_cache.device)
+        x = torch.empty(B, Q, self.hidden, **floats)
+        logits = torch.empty(B, n, self.vocab, **floats) if self.has_head else None
+        work = torch.empty(M * (2 * self.hidden + (2 * self.heads + 2 * self.kv_heads + 1) * D + 3 * self.inner),
+                           **floats)
         ids, slots, positions, lengths, write_slots, index = (t.to(torch.int64).contiguous() for t in (
             batch.input_ids, batch.gather_slots, batch.positions, batch.context_lens, batch.write_slots,
             batch.logits_index))

@@ -55,8 +55,8 @@ def build(source: Path, into: Path | None = None, target_isa: str = "AVX512") ->
         fd, partial = tempfile.mkstemp(suffix=".so", dir=into)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, str(source), *LIBRARIES, "-o", partial], check=True, capture_output=True,
-                           text=True, timeout=120)
+            subprocess.run([compiler, *flags, str(source), *LIBRARIES, "-o", partial], check=True,
+                           capture_output=True, text=True, timeout=120)
             os.replace(partial, library)
         finally:
             Path(partial).unlink(missing_ok=True)
