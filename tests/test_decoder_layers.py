@@ -49,7 +49,8 @@ def test_decode_and_verify_steps_match_the_layers_in_torch(checkpoints, family):
     for step in steps:
         assert model.fused_forward.runs_on(cache, step)
         ours, theirs = forward(model, step, ours_cache, True), forward(model, step, torch_cache, False)
-        # Every stage computes its kernel's bits save SiLU (its own e^x): last-bit differences only.
+        # Every stage computes its kernel's bits save SiLU (its own e^x) and RoPE's cos and sin (the C
+        # library's): last-bit differences only.
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(ours_cache, torch_cache, atol=2e-5, rtol=2e-5)
     assert ours_cache[:, :, 16 * 4:].abs().sum() > 0  # the steps wrote keys and values
