@@ -8,7 +8,6 @@ import torch
 
 from worker.models import decoder_layers
 from worker.models.attention import build_paged_batch
-from worker.models.decoder_layers import DecoderForward
 from worker.models.loader import load_model
 from worker.models.packed_linear import plain
 
@@ -126,6 +125,6 @@ def test_a_head_that_is_not_blocked_is_left_to_torch(checkpoints):
     step = build_paged_batch([[1, 2], [3, 4], [5, 6]], [len(p) for p in prompts], TABLES, BLOCK, 2, CPU)
     blocked = forward(model, step, cache.clone(), True)
     model.lm_head.weight = torch.nn.Parameter(plain(model.lm_head.weight).contiguous(), requires_grad=False)
-    model.fused_forward = DecoderForward(model)
+    model.fused_forward = decoder_layers.DecoderForward(model)
     assert not model.fused_forward.has_head
     torch.testing.assert_close(forward(model, step, cache.clone(), True), blocked, atol=2e-5, rtol=2e-5)

@@ -188,7 +188,7 @@ class LLMEngine:
         starts = [s.num_cached for s in seqs]
         tables = [s.block_table for s in seqs]
         logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
-        if self.max_k and self.speculation.current:  # a dormant draft reads when it proposes
+        if self.speculation.awake:  # a dormant draft reads when it proposes
             self.runner.forward("draft", rows, starts, tables, 0)
             for s in seqs:
                 s.num_draft_cached = len(s)

@@ -120,6 +120,11 @@ class Speculation:
         self._step: tuple[int, int, float] | None = None
         self._uncounted = 0.0
 
+    @property
+    def awake(self) -> bool:
+        """Whether the draft reads as it goes (the latest step proposed): dormant, it catches up later."""
+        return self.current > 0
+
     def start_step(self, batch_size: int, pinned: bool = False) -> int:
         """The k of the decode step about to run (K when pinned); its time runs until finish_step."""
         k = self.max_k if pinned else self.choose(batch_size)
@@ -162,8 +167,8 @@ class AdaptiveSpeculation(Speculation):
         probes = self._probes.setdefault(b, ProbeSchedule())
         # Both ends are measured first (K also measures acceptance): the costs between are interpolated.
         # Awake, K goes first; dormant, plain does, and K waits for the bucket's first probe, as waking costs.
-        awake, known_k = self.current > 0, self.costs.known(b, K)
-        if not known_k and awake:
+        known_k = self.costs.known(b, K)
+        if not known_k and self.awake:
             return K
         if not self.costs.known(b, 0):
             return 0
@@ -180,7 +185,7 @@ class AdaptiveSpeculation(Speculation):
         alpha = self.acceptance.rate or 0.0
         rate = {k: expected_tokens(alpha, k) / self.costs.estimate(b, k) for k in range(self.max_k + 1)}
         best = max(rate, key=rate.get)
-        return best if rate[best] >= (STAY_GAIN if self.current else MIN_GAIN) * rate[0] else 0
+        return best if rate[best] >= (STAY_GAIN if self.awake else MIN_GAIN) * rate[0] else 0
 
     def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
         self.costs.observe(bucket(batch_size), k, seconds / batch_size)
