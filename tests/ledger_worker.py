@@ -63,7 +63,6 @@ class LedgerWorker:
                 {"component": "weights", "model": "target", "bytes": len(self.weights)},
                 {"component": "activation_peak", "model": "", "bytes": 0},
                 {"component": "non_torch", "model": "", "bytes": rest},
-                {"component": "cuda_graph", "model": "", "bytes": 0},
                 {"component": "kv_cache", "model": "", "bytes": 0},
             ],
             "foreign_at_start": {"bytes": max(0, total - available - runtime), "processes": []},

@@ -7,7 +7,7 @@ time). bench/compile_forward.py checks inductor's logits against eager (largest 
 import pytest
 import torch
 
-import worker.models.compiled as compiled
+from worker.models.compiled import compile_model
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
@@ -18,15 +18,10 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 PROMPTS = [[7], [5, 6, 7], list(range(3, 40)), [9, 9], list(range(50, 61))]
 
 
-@pytest.fixture
-def dynamo_only(monkeypatch):
-    monkeypatch.setattr(compiled, "BACKEND", "eager")
-
-
-def test_compiled_speculation_gives_eager_plain_tokens_without_compiling_while_serving(checkpoints, dynamo_only):
+def test_compiled_speculation_gives_eager_plain_tokens_without_compiling_while_serving(checkpoints):
     config = dict(model=checkpoints["llama"], max_model_len=128, max_num_seqs=4)
     fast = LLMEngine(EngineConfig(draft_model=checkpoints["llama-draft"], speculation="adaptive",
-                                  compile=True, **config))
+                                  compile=True, compile_backend="eager", **config))
     with torch.compiler.set_stance("fail_on_recompile"):  # a shape no warm-up graph fits raises here
         alone = fast.generate(PROMPTS[:1], GREEDY)
         batched = fast.generate(PROMPTS, GREEDY)
@@ -41,4 +36,4 @@ def test_compiled_speculation_gives_eager_plain_tokens_without_compiling_while_s
 def test_compiling_a_packed_model_is_refused_with_the_reason(checkpoints):
     packed = load_model(checkpoints["llama"], torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="pack=False"):
-        compiled.compile_model(packed)
+        compile_model(packed)

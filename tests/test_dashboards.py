@@ -49,7 +49,7 @@ REQUIRED_SERIES = {
         "vramledger_spec_decode_num_speculative_tokens",
     },
 }
-LEDGER_COMPONENTS = {"runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "cuda_graph",
+LEDGER_COMPONENTS = {"runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch",
                      "kv_cache"}
 
 

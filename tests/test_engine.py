@@ -101,8 +101,11 @@ def test_identical_draft_accepts_everything(checkpoints):
 
 
 def test_preemption_under_block_pressure_keeps_outputs(checkpoints):
-    reference = engine(checkpoints["llama"], checkpoints["llama-draft"]).generate(prompts(8), GREEDY)
-    tight = engine(checkpoints["llama"], checkpoints["llama-draft"], num_kv_blocks=12)
+    roomy = engine(checkpoints["llama"], checkpoints["llama-draft"])
+    reference = roomy.generate(prompts(8), GREEDY)
+    twelve_blocks = 12 * roomy.runner.bytes_per_block()
+    tight = engine(checkpoints["llama"], checkpoints["llama-draft"], kv_cache_memory=twelve_blocks)
+    assert tight.num_blocks == 12
     assert [r[0] for r in tight.generate(prompts(8), GREEDY)] == [r[0] for r in reference]
     assert tight.scheduler.num_preemptions > 0
     assert tight.blocks.num_used == 0

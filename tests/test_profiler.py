@@ -19,7 +19,6 @@ from worker.memory.ledger import Ledger, container_id_from, format_table, plot, 
 from worker.memory.profiler import (
     MemorySnapshot,
     PeakSampler,
-    measure_graph_pool,
     measure_weights,
     profile_window,
     runtime_bytes,
@@ -128,7 +127,7 @@ def test_measure_weights_warns_when_rss_disagrees(cpu, caplog):
 
 
 # --- the CUDA arithmetic, on patched torch.cuda counters and a fake NVML ---
-def test_cuda_window_weights_and_graph_pool(monkeypatch):
+def test_cuda_window_and_weights(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cuda = FakeCuda(monkeypatch, props())
     nvml = two_gpus(ours=GiB)
@@ -150,12 +149,6 @@ def test_cuda_window_weights_and_graph_pool(monkeypatch):
     assert result.activation_peak_bytes == 2 * GiB
     assert result.non_torch_bytes == 100 * MiB
 
-    def capture():
-        cuda.reserved += 300 * MiB
-        set_process_bytes(6 * GiB + 100 * MiB + 320 * MiB)
-    assert measure_graph_pool(device, capture) == (None, 320 * MiB)
-    assert measure_graph_pool(CpuDevice(), lambda: "graph") == ("graph", 0)
-
 
 # --- the ledger ---
 def _ledger(device) -> Ledger:
@@ -172,7 +165,6 @@ def _ledger(device) -> Ledger:
     ledger.record("allocator", 12 * MiB)
     ledger.record("sequence_state", 300 * 1024)
     ledger.record("server", 2 * MiB)
-    ledger.record("cuda_graph", 0)
     ledger.set_kv_cache(block_size=16, bytes_per_block=MiB, blocks_total=2000)
     return ledger
 

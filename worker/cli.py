@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
 from worker.memory.plan import parse_size  # its SizeError is an ArgumentTypeError too
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
@@ -37,6 +37,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="compile both models with torch.compile (inductor) at startup (minutes); the "
                         "ledger's `compiled` entry holds what it costs. Not faster on the CPU so far "
                         "(README, Benchmarks)")
+    p.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
+                   help="with --compile: inductor (default) generates kernels; eager keeps dynamo's graphs "
+                        "and guards and runs them with torch's ops (checks in seconds that the models compile)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -54,7 +57,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        cpu_threads=args.cpu_threads, compile=args.compile)
+        cpu_threads=args.cpu_threads, compile=args.compile,
+        compile_backend=args.compile_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,9 @@ from pathlib import Path
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = str(ASSETS / "tiny-coder-target")
 DEFAULT_DRAFT_MODEL = str(ASSETS / "tiny-coder-draft")
+# inductor generates kernels; dynamo's "eager" keeps the same graphs and guards and runs them with
+# torch's ops: it checks in seconds that the models compile, without minutes of C++ builds.
+COMPILE_BACKENDS = ("inductor", "eager")
 
 
 @dataclass
@@ -26,10 +29,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
     memory_utilization: float | None = None  # None: 0.9 on CUDA; on CPU the KV cache is capped at 2 GiB
     kv_cache_memory: int | None = None  # bytes; overrides memory_utilization
-    num_kv_blocks: int | None = None  # fixed block count, skips the memory plan (tests, benchmarks)
     seed: int = 0
     cpu_threads: int | None = None  # torch threads on the CPU; None: torch's own (OMP_NUM_THREADS or all cores)
-    compile: bool = False  # torch.compile (inductor) both models at startup (worker/models/compiled.py)
+    compile: bool = False  # torch.compile both models at startup (worker/models/compiled.py)
+    compile_backend: str = "inductor"  # one of COMPILE_BACKENDS
 
     def __post_init__(self):
         if self.draft_model is None or self.num_speculative_tokens == 0:
@@ -47,8 +50,9 @@ class EngineConfig:
             _check(0 < self.memory_utilization <= 1 and math.isfinite(self.memory_utilization),
                    "memory_utilization must be in (0, 1]")
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0")
-        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
+        _check(self.compile_backend in COMPILE_BACKENDS,
+               f"compile_backend must be one of {COMPILE_BACKENDS}, not {self.compile_backend!r}")
 
     def resolve_lengths(self, model_max_positions: int) -> None:
         """Fill max_model_len and max_num_batched_tokens once the model's limit is known."""

@@ -66,7 +66,7 @@ class LLMEngine:
             self.ledger.record("compiled", 0)
             if config.compile:  # before the profile, so that it measures compiled steps
                 bar.set_postfix_str("compiling (minutes)")
-                self.ledger.record("compiled", measure_held(self.device, self.runner.compile))
+                self.ledger.record("compiled", measure_held(self.device, lambda: self.runner.compile(config.compile_backend)))
                 bar.update()
             bar.set_postfix_str("profiling")
             held_by_server = server_state and (lambda: server_state(self.tokenizer, self.device.torch_device))
@@ -152,7 +152,6 @@ class LLMEngine:
             (new_tokens, logprobs), accepted = self._decode_plain(batch.seqs), None
         else:
             new_tokens, accepted, logprobs = self._decode_speculative(batch.seqs, k)
-        self.stats.steps += 1
         outputs = self._postprocess(batch.seqs, new_tokens, accepted, logprobs)
         if k is not None:  # the step is its cost (proposals, verification, bookkeeping), less any catch-up
             self.speculation.finish_step(accepted)
@@ -183,7 +182,7 @@ class LLMEngine:
                       for j, t in enumerate(tokens[i].tolist())]
         return out
 
-    def _prefill(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _prefill(self, seqs: list[Sequence]) -> tuple[list[list[int]], list]:
         rows = [s.token_ids[s.num_cached:] for s in seqs]
         starts = [s.num_cached for s in seqs]
         tables = [s.block_table for s in seqs]
@@ -199,7 +198,7 @@ class LLMEngine:
         tokens = draw(logits, rp)
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
-    def _decode_plain(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _decode_plain(self, seqs: list[Sequence]) -> tuple[list[list[int]], list]:
         rows = [[s.token_ids[-1]] for s in seqs]
         logits = self.runner.forward("target", rows, [len(s) - 1 for s in seqs],
                                      [s.block_table for s in seqs], 1)[:, 0]
@@ -303,8 +302,9 @@ class LLMEngine:
         self._generators.pop(seq.request_id, None)
 
     # -- convenience ------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]):
-        """Run prompts to completion; returns {request_id: (token_ids, text, finish_reason)} in order."""
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[tuple[list[int], str, str | None]]:
+        """Run prompts to completion: (token ids, text, finish reason) per prompt, in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         results = {i: ([], [], None) for i in ids}

@@ -54,16 +54,11 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     states = measure_held(device, lambda: request_states(c, tokenizer, device.torch_device))
     ledger.record("sequence_state", states)
     ledger.record("server", measure_held(device, server_state) if server_state else 0)
-    ledger.record("cuda_graph", 0)  # graphs are not captured (yet): eager execution
 
     per_block = runner.bytes_per_block()
-    if c.num_kv_blocks is not None:  # still checked: fewer blocks than one sequence would hang
-        num_blocks = plan_kv_blocks(c.num_kv_blocks * per_block, per_block, c.block_size, c.max_model_len, k)
-        budget = ledger.non_kv_bytes + num_blocks * per_block
-    else:
-        usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
-        budget, kv = budget_bytes(device, utilization, c.kv_cache_memory, ledger.non_kv_bytes, usable)
-        num_blocks = plan_kv_blocks(kv, per_block, c.block_size, c.max_model_len, k)
+    usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
+    budget, kv = budget_bytes(device, utilization, c.kv_cache_memory, ledger.non_kv_bytes, usable)
+    num_blocks = plan_kv_blocks(kv, per_block, c.block_size, c.max_model_len, k)
     # Whole blocks: less than a block left beyond the last one is not held, so declared == budget.
     # (A budget the KV cache cannot use, capped by max_num_seqs x max_model_len, stays as asked.)
     if budget - ledger.non_kv_bytes - num_blocks * per_block < per_block:

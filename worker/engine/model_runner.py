@@ -35,11 +35,11 @@ class ModelRunner:
         for model in self.models.values():
             warm([(getattr(m, w), getattr(m, b) if b else None) for m, w, b in model.projections()])
 
-    def compile(self) -> None:
+    def compile(self, backend: str = "inductor") -> None:
         """Compile every model and build each kind of graph a step may need (shape_classes), on a
         scratch cache; afterwards a step never compiles: a shape no graph fits runs eagerly."""
         torch.compiler.set_stance("default")  # compiles again, should an earlier engine have frozen it
-        self.run = {name: compile_model(model) for name, model in self.models.items()}
+        self.run = {name: compile_model(model, backend) for name, model in self.models.items()}
         # Logits per row: one, or (the target's verify) one per new token: 3 stands for any k + 1.
         logits = {"target": (1, 3) if "draft" in self.models else (1,), "draft": (1,)}
         self.allocate_kv_cache(1)  # the warm-up rows reach position 7 of one block

@@ -42,7 +42,6 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    steps: int = 0
 
     def __post_init__(self):
         self.accepted_per_position = [0] * self.num_speculative_tokens

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from worker.engine.sampling_params import SamplingParams
@@ -21,7 +20,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -47,10 +45,6 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
 
     def reset_for_recompute(self) -> None:
         """After preemption: nothing is cached; prompt and output are recomputed later."""

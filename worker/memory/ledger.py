@@ -16,7 +16,7 @@ MiB, GiB = 1 << 20, 1 << 30
 LEDGER_VERSION = 1
 # Entry order in the document and the table: from the process's start to the KV cache.
 COMPONENTS = ("runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "allocator",
-              "sequence_state", "server", "cuda_graph", "kv_cache")
+              "sequence_state", "server", "kv_cache")
 
 
 @dataclass

@@ -64,7 +64,7 @@ def _below_non_kv_message(device: Device, total: int, utilization: float, budget
     message = (f"The memory budget of {_size(budget)} (--memory-utilization {utilization:g} x {_size(total)} "
                f"on {device}) is {_size(non_kv - budget)} below the {_size(non_kv)} the worker holds before "
                f"any KV cache (runtime, weights of every model, activation peak, non-torch memory, "
-               f"allocator slack, per-sequence state, the server's requests in flight, CUDA graphs). ")
+               f"allocator slack, per-sequence state, the server's requests in flight). ")
     if needed > 1:
         return message + ("Even --memory-utilization 1.0 cannot hold it: use smaller models, a lower "
                           "--max-num-seqs / --max-num-batched-tokens (smaller activation peak), "

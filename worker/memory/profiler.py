@@ -177,19 +177,6 @@ def measure_held(device: Device, build: Callable[[], Any]) -> int:
     return max(0, grown)
 
 
-def measure_graph_pool(device: Device, capture_fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Run capture_fn (CUDA graph capture) and return (its result, bytes the graph pools hold)."""
-    if device.kind != "cuda":
-        return capture_fn(), 0
-    before = MemorySnapshot.take(device)
-    result = capture_fn()
-    after = MemorySnapshot.take(device)
-    # The pools live in torch's reserved memory; instantiated graphs add driver memory beside it.
-    reserved = after.torch_reserved - before.torch_reserved
-    process = after.process - before.process
-    return result, max(0, reserved, process)
-
-
 class PeakSampler:
     """Polls process memory in a thread: the fallback where the kernel's peak cannot be reset."""
 

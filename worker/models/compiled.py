@@ -17,7 +17,6 @@ from worker.models.packed_linear import is_packed
 # Options for every compiled model: weights as constants; code built in this process, so no pool
 # of compile workers outlives startup as memory the ledger does not name.
 INDUCTOR_OPTIONS = {"freezing": True, "compile_threads": 1}
-BACKEND = "inductor"  # tests swap in dynamo's "eager": the same graphs and guards, without minutes of C++
 
 
 @torch.library.custom_op("vramledger::write_kv", mutates_args=("kv_cache",))
@@ -26,7 +25,7 @@ def opaque_write_kv(kv_cache: torch.Tensor, layer: int, slots: torch.Tensor, k: 
     write_kv(kv_cache, layer, slots, k, v)
 
 
-def compile_model(model: CausalLM):
+def compile_model(model: CausalLM, backend: str = "inductor"):
     """The model's forward compiled for every batch shape (dynamic sizes); the model must hold
     plain weights (load_model(..., pack=False)). Nothing compiles until the first call."""
     if any(is_packed(getattr(m, w)) for m, w, _ in model.projections()):
@@ -37,8 +36,8 @@ def compile_model(model: CausalLM):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     # Sizes equal by chance (cache slots and head_dim, say) must not be assumed equal ever after.
     torch.fx.experimental._config.use_duck_shape = False
-    options = INDUCTOR_OPTIONS if BACKEND == "inductor" else None
-    return torch.compile(model, dynamic=True, backend=BACKEND, options=options)
+    options = INDUCTOR_OPTIONS if backend == "inductor" else None
+    return torch.compile(model, dynamic=True, backend=backend, options=options)
 
 
 def shape_classes(num_logits: tuple[int, ...]) -> list[tuple[list[list[int]], list[int], int]]:
