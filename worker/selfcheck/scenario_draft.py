@@ -1,4 +1,4 @@
-"""Scenario 2, seed 000 (the draft counts): the same budget with and without the draft. The KV cache
+"""Scenario 2, the draft's memory is in the budget: the same budget with and without the draft. The KV cache
 shrinks by the draft's weights plus the draft's share of every block; then the draft run under full
 load stays inside its budget. The draft's size comes from its checkpoint, not from the ledger."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from worker.selfcheck.report import Check, ScenarioResult, size
 from worker.selfcheck.scenario_ledger import entry, peak_checks
 from worker.selfcheck.workers import WorkerProcess
 
-TITLE = "the draft counts (seed 000)"
+TITLE = "the draft's memory is in the budget"
 TOLERANCE = 0.02
 
 

@@ -1,7 +1,7 @@
-"""Scenario 3, seed 003 and the simultaneous start: a neighbour holds memory before the workers start;
-then two workers (0.7 and 0.2 of the device, scaled on the CPU) start at the same moment. Both start,
-each reports the neighbour as foreign at start, and neither ledger holds the neighbour's or the
-other worker's memory."""
+"""Scenario 3, a neighbour's memory is foreign and two workers start at once: a neighbour holds
+memory before the workers start; then two workers (0.7 and 0.2 of the device, scaled on the CPU)
+start at the same moment. Both start, each reports the neighbour as foreign at start, and neither
+ledger holds the neighbour's or the other worker's memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ from worker.selfcheck.scenario_ledger import idle_check
 from worker.selfcheck.view import settle
 from worker.selfcheck.workers import WorkerProcess
 
-TITLE = "neighbours and a simultaneous start (seed 003)"
+TITLE = "a neighbour's memory is foreign, two workers start at once"
 FOREIGN_TOLERANCE = 0.05
 
 
