@@ -274,10 +274,28 @@ def test_exporter_daemonset(base):
     assert exporter["ports"][0]["containerPort"] == args.port
 
 
+# CoreV1Api's method prefixes and the RBAC verb each request needs.
+API_VERBS = {"list": "list", "read": "get", "watch": "watch", "create": "create", "replace": "update",
+             "patch": "patch", "delete": "delete"}
+
+
+def exporter_api_verbs() -> set[str]:
+    """The verbs of every Kubernetes API call in the exporter's code (CoreV1Api methods on pods)."""
+    calls = {m for path in (ROOT / "exporter").rglob("*.py")
+             for m in re.findall(r"\.((?:list|read|watch|create|replace|patch|delete)_\w*pod\w*)\(",
+                                 path.read_text())}
+    verbs = {API_VERBS[call.split("_")[0]] for call in calls}
+    return verbs | ({"watch"} if any("watch=True" in p.read_text() for p in (ROOT / "exporter").rglob("*.py"))
+                    else set())
+
+
 def test_exporter_may_only_read_pods(base):
     roles = [d for d in base if d["kind"] in ("Role", "ClusterRole")]
     assert len(roles) == 1
-    assert roles[0]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    [rule] = roles[0]["rules"]
+    assert (rule["apiGroups"], rule["resources"]) == ([""], ["pods"])
+    # Exactly the verbs of the calls the exporter makes: a verb it never uses is a grant nobody needs.
+    assert set(rule["verbs"]) == exporter_api_verbs() == {"get", "list"}
     binding = one(base, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == roles[0]["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "vramledger-exporter",
@@ -311,6 +329,15 @@ def test_worker_api_is_reachable_only_from_labelled_clients_the_exporter_and_pro
 
 
 # --- the sidecar overlay -----------------------------------------------------------------------
+@pytest.mark.parametrize("overlay", [BASE, SIDECAR], ids=["base", "exporter-sidecar"])
+def test_every_rendered_image_is_the_pinned_one(overlay):
+    pin = yaml.safe_load((BASE / "kustomization.yaml").read_text())["images"]
+    expected = {f"{i['name']}:{i['newTag']}" for i in pin}
+    images = {c["image"] for d in build(overlay) if d["kind"] in ("Deployment", "DaemonSet")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == expected
+
+
 def test_sidecar_overlay_runs_the_exporter_in_the_worker_pod(sidecar):
     assert not [d for d in sidecar if d["kind"] in ("DaemonSet", "ClusterRole", "ClusterRoleBinding")]
     assert [d["metadata"]["name"] for d in sidecar if d["kind"] == "ServiceAccount"] == ["vramledger-worker"]
@@ -322,6 +349,7 @@ def test_sidecar_overlay_runs_the_exporter_in_the_worker_pod(sidecar):
     args = exporter_parser().parse_args(exporter["args"][3:])
     assert args.worker == [f"http://127.0.0.1:{worker_args.port}"]
     assert exporter["securityContext"]["readOnlyRootFilesystem"] is True
+    assert exporter["livenessProbe"]["tcpSocket"] == {"port": "metrics"}  # restarted alone when it hangs
     service = one(sidecar, "Service", "vramledger-exporter")
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     assert service["spec"]["ports"][0]["targetPort"] in [p["name"] for p in exporter["ports"]]
