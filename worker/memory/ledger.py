@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vramledger.units import GiB, MiB, format_bytes
 from worker.memory.device import Device, ProcessMemory, host_pid
 from worker.memory.plan import blocks_per_sequence
 from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 
-MiB, GiB = 1 << 20, 1 << 30
 LEDGER_VERSION = 1
 # Entry order in the document and the table: from the process's start to the KV cache.
 COMPONENTS = ("runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "allocator",
@@ -211,10 +211,6 @@ def summary_line(ledger: Ledger) -> str:
             f"KV {ledger.blocks_total} blocks = {ledger.capacity_tokens} tokens")
 
 
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
-
-
 def plot(ledger: Ledger, path: str) -> None:
     """Draw the ledger beside the budget and the device total, and a zoom on the budget (PNG at path)."""
     # Figure + the Agg canvas directly: no pyplot, no global backend switch, no display needed.
@@ -269,16 +265,16 @@ def _plot_budget(ledger: Ledger, ax) -> None:
         end = (start + nbytes) / scale
         inside = nbytes > 0.35 * budget  # long bars carry their text; short ones have it beside them
         ax.text(end - 0.01 * budget / scale if inside else end + 0.01 * budget / scale, i,
-                _size(nbytes) + share, va="center", ha="right" if inside else "left", fontsize=9,
+                format_bytes(nbytes) + share, va="center", ha="right" if inside else "left", fontsize=9,
                 color="white" if inside else "black")
         labels.append(label)
         start += nbytes
     n = len(rows)
     ax.barh(n, budget / scale, color="0.6", height=0.7)
-    ax.text(budget / scale * 0.99, n, f"budget {_size(ledger.budget_bytes)}", va="center", ha="right",
+    ax.text(budget / scale * 0.99, n, f"budget {format_bytes(ledger.budget_bytes)}", va="center", ha="right",
             fontsize=9, color="white")
     ax.barh(n + 1, ledger.declared_bytes / scale, color="0.35", height=0.7)
-    ax.text(ledger.declared_bytes / scale * 0.99, n + 1, f"declared {_size(ledger.declared_bytes)}",
+    ax.text(ledger.declared_bytes / scale * 0.99, n + 1, f"declared {format_bytes(ledger.declared_bytes)}",
             va="center", ha="right", fontsize=9, color="white")
     ax.axvline(budget / scale, color="0.4", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(n + 2), labels + ["budget", "declared"])
@@ -286,4 +282,4 @@ def _plot_budget(ledger: Ledger, ax) -> None:
     ax.set_xlim(0, max(budget, ledger.declared_bytes) / scale * 1.3)  # room for the text of the last rows
     ax.set_xlabel(unit)
     share = f", {100 * budget / ledger.total_bytes:.1f}% of the device" if ledger.total_bytes else ""
-    ax.set_title(f"zoom on the budget ({_size(budget)}{share})")
+    ax.set_title(f"zoom on the budget ({format_bytes(budget)}{share})")
