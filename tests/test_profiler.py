@@ -14,8 +14,9 @@ import torch
 from test_device import FakeCuda, props, two_gpus
 from torch import nn
 
+from vramledger.identity import container_id_from
 from worker.memory.device import CpuDevice, CudaDevice, ProcessMemory
-from worker.memory.ledger import Ledger, container_id_from, format_table, plot, summary_line
+from worker.memory.ledger import Ledger, format_table, plot, summary_line
 from worker.memory.profiler import (
     MemorySnapshot,
     PeakSampler,
