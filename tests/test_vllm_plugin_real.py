@@ -149,6 +149,28 @@ def test_plugin_imports_neither_the_worker_nor_the_exporter(plugin_site):
     assert out.stdout.strip() == "[]"
 
 
+REGISTER = """
+import os, vllm.version
+from vllm.v1.worker.worker_base import WorkerBase
+from vramledger.vllm_plugin import register
+original, patched = WorkerBase.__init__, []
+cases = [("0.99.0", "vramledger"), ("0.32.0", None), ("0.32.0", "other"), ("0.32.0", "vramledger")]
+for version, plugins in cases:  # install() cannot be undone: the one case that patches comes last
+    vllm.version.__version__ = version
+    os.environ.pop("VLLM_PLUGINS", None) if plugins is None else os.environ.update(VLLM_PLUGINS=plugins)
+    register()
+    patched.append(WorkerBase.__init__ is not original)
+print(patched)
+"""
+
+
+def test_worker_hooks_go_in_only_where_enabled_on_a_supported_version(plugin_site):
+    out = subprocess.run([str(vllm_peer.vllm_python()), "-c", REGISTER], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(plugin_site)), cwd=plugin_site, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[False, False, False, True]"
+
+
 def lines_saying(log: Path, pattern: str) -> list[str]:
     """The log's lines matching pattern, but for uvicorn's access lines ("INFO:     ... GET /...")."""
     return [line for line in log.read_text().splitlines()

@@ -97,6 +97,7 @@ def _profile(record: StartupRecord) -> dict | None:
             "non_torch_increase_bytes": p.non_torch_increase_bytes,
             "peak_headroom_bytes": p.peak_headroom_bytes, "weights_bytes": p.weights_bytes,
             "non_kv_bytes": p.non_kv_bytes, "process_growth_bytes": p.process_growth_bytes,
+            "non_torch_process_bytes": p.non_torch_process_bytes,
             "cuda_graph_estimate_bytes": record.cuda_graph_estimate_bytes,
             "cuda_graph_estimate_counted": record.cuda_graph_estimate_counted}
 

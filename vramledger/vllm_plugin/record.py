@@ -18,6 +18,12 @@ class ProfileFacts:
     non_kv_bytes: int  # what vLLM charged its budget before the KV cache
     process_growth_bytes: int | None  # what this process grew by over the same window (NVML), None unknown
 
+    @property
+    def non_torch_process_bytes(self) -> int | None:
+        """Our own non-torch growth over the window: non_torch_increase_bytes without the neighbours'."""
+        growth = self.process_growth_bytes
+        return None if growth is None else growth - self.torch_increase_bytes
+
 
 @dataclass
 class StartupRecord:
