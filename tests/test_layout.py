@@ -85,7 +85,14 @@ def test_no_import_cycles():
             assert (cycle := visit(start, [])) is None, " -> ".join(cycle)
 
 
+def test_shared_package_imports_neither_the_worker_nor_the_exporter():
+    # vLLM imports vramledger.vllm_plugin in every process: the worker's engine must not come along.
+    found = {module_name(p): imports(p) for p in (ROOT / "vramledger").rglob("*.py")}
+    assert {module: deps for module, deps in found.items() if deps} == {}
+
+
 def test_nothing_test_only_in_the_product():
-    for path in [*(ROOT / "worker").rglob("*.py"), *(ROOT / "exporter").rglob("*.py")]:
+    for path in [*(ROOT / "worker").rglob("*.py"), *(ROOT / "exporter").rglob("*.py"),
+                 *(ROOT / "vramledger").rglob("*.py")]:
         assert "test" not in path.stem, path
         assert "VRAMLEDGER_TEST" not in path.read_text(), path
