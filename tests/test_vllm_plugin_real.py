@@ -114,6 +114,11 @@ def test_ledger_has_weights_per_model_and_the_kv_cache_vllm_allocated(with_plugi
         held, checkpoint = entries["weights", model]["bytes"], checkpoint_tensor_bytes(path)
         assert abs(held - checkpoint) <= 0.02 * checkpoint, (model, held, checkpoint)
     assert rank["models"] == {"target": str(TARGET), "draft": str(DRAFT)}
+    # Both tie their LM head to the embedding, which the CPU backend keeps for lookups and packs for
+    # its matmul kernel twice (as the embedding layer and as the head): two kernel-only copies each.
+    for model, path in (("target", TARGET), ("draft", DRAFT)):
+        config = json.loads((path / "config.json").read_text())
+        assert entries["kernels", model]["bytes"] == 2 * config["vocab_size"] * config["hidden_size"] * 4
 
     # The KV cache vLLM allocated: its blocks hold the target's and the draft's layers.
     info = cache_config_info(url)

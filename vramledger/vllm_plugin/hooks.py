@@ -5,7 +5,7 @@ there each new worker gets its own wrappers (instance attributes: the classes st
 and the RPC method the endpoint calls. Two names of vllm/v1/worker/gpu_worker.py are wrapped
 where that module looks them up, request_memory (right after the start snapshot) and
 memory_profiling (vLLM's profile result), because the worker keeps neither whole.
-A hook that fails logs once and leaves its entry out of the ledger; vLLM never sees the error.
+A hook that fails is logged and its entry left out of the ledger; vLLM never sees the error.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ log = logging.getLogger("vllm.plugins.vramledger")
 
 RPC_METHOD = "vramledger_ledger"  # the worker method GET /vramledger/memory reaches through collective_rpc
 _installed = False
-_active: list = []  # the worker (None: a runner) whose call runs now: gpu_worker's helpers record into it
+_active: list = []  # the worker whose wrapped call runs now: gpu_worker's helpers record into it
 
 
 def install() -> None:
@@ -42,16 +42,14 @@ def install() -> None:
     _installed = True
 
 
-def attach(worker) -> StartupRecord:
+def attach(worker) -> None:
     """Give one worker its record, its wrappers and the RPC method that returns its ledger."""
     _patch_gpu_worker_module()
-    record = StartupRecord()
-    worker.vramledger_record = record
+    record = worker.vramledger_record = StartupRecord()
     setattr(worker, RPC_METHOD, lambda: document(worker, record))
-    _wrap(worker, record, "init_device", after=_started)
-    _wrap(worker, record, "determine_available_memory", before=_sizing, after=_sized)
-    _wrap(worker, record, "initialize_from_config", before=_kv_cache_config)
-    return record
+    _wrap(worker, worker, "init_device", after=_started)
+    _wrap(worker, worker, "determine_available_memory", before=_sizing, after=_sized)
+    _wrap(worker, worker, "initialize_from_config", before=_kv_cache_config)
 
 
 # --- the worker's start-up calls, in vLLM's order ---
@@ -65,7 +63,7 @@ def _started(worker, record: StartupRecord, _result) -> None:
             record.total_bytes, record.free_at_start_bytes = node.total_memory, node.available_memory
     runner = getattr(worker, "model_runner", None)
     if runner is not None and hasattr(runner, "capture_model"):
-        _wrap(runner, record, "capture_model", after=_captured)
+        _wrap(worker, runner, "capture_model", after=_captured)
 
 
 def _sizing(worker, record: StartupRecord) -> None:
@@ -101,8 +99,8 @@ def _captured(_worker, record: StartupRecord, nbytes) -> None:
 # --- gpu_worker's helpers, recorded into the worker that is starting ---
 def _request_memory(original, init_snapshot, *args, **kwargs):
     requested = original(init_snapshot, *args, **kwargs)
-    worker = _active[-1] if _active else None
-    if worker is not None:
+    if _active:
+        worker = _active[-1]
         _guarded(worker.vramledger_record, "the start snapshot", _start_snapshot, worker, init_snapshot)
     return requested
 
@@ -119,9 +117,9 @@ def _start_snapshot(worker, init_snapshot) -> None:
 def _memory_profiling(original, baseline_snapshot, *args, **kwargs):
     with original(baseline_snapshot, *args, **kwargs) as result:
         yield result
-    worker = _active[-1] if _active else None
-    if worker is not None:
-        _guarded(worker.vramledger_record, "the memory profile", _profiled, worker.vramledger_record, result)
+    if _active:
+        record = _active[-1].vramledger_record
+        _guarded(record, "the memory profile", _profiled, record, result)
 
 
 def _profiled(record: StartupRecord, result) -> None:
@@ -149,10 +147,10 @@ def _patch_gpu_worker_module() -> None:
 
 
 # --- plumbing ---
-def _wrap(obj, record: StartupRecord, name: str, before=None, after=None) -> None:
-    """Replace obj.name on the instance by a call of the original with before/after notes around it."""
-    original = getattr(obj, name)
-    worker = obj if hasattr(obj, "vramledger_record") else None
+def _wrap(worker, obj, name: str, before=None, after=None) -> None:
+    """Replace obj.name (the worker's or its runner's) on the instance by the original with notes around it:
+    before(worker, record, *args), after(worker, record, result)."""
+    original, record = getattr(obj, name), worker.vramledger_record
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):

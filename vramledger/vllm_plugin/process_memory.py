@@ -42,8 +42,8 @@ class ProcessMemory:
             log.debug("vramledger: NVML cannot list the processes of the device: %s", e)
             return None
         used = [p.usedGpuMemory for p in procs if p.pid in self._pids]
-        if not used or None in used:  # not listed yet (no context), or the driver cannot say
-            return 0 if not used else None
+        if not used or None in used:  # our pid is not visible to NVML, or the driver cannot say
+            return None
         return sum(used)
 
     def device_name(self) -> str | None:
@@ -78,8 +78,13 @@ def _nvml_handle(index: int, uuid: str | None):
                 if _text(nvml.nvmlDeviceGetUUID(handle)).split("-", 1)[-1] == wanted:
                     return nvml, handle
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        physical = int(visible.split(",")[index]) if visible else index
-        return nvml, handles[physical]
+        entry = visible.split(",")[index].strip() if visible else str(index)
+        if entry.isdigit():
+            return nvml, handles[int(entry)]
+        for handle in handles:  # CUDA accepts unique prefixes of UUIDs
+            if _text(nvml.nvmlDeviceGetUUID(handle)).startswith(entry):
+                return nvml, handle
+        raise LookupError(f"no NVML device is CUDA_VISIBLE_DEVICES entry {entry!r}")
     except Exception as e:
         log.warning("vramledger: NVML cannot say what this process holds on cuda:%d (%s); "
                     "the ledger has no runtime entry and no live process memory", index, e)
