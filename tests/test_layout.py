@@ -86,7 +86,8 @@ def test_no_import_cycles():
 
 
 def test_nothing_test_only_in_the_product():
-    for path in [*(ROOT / "worker").rglob("*.py"), *(ROOT / "exporter").rglob("*.py")]:
+    for path in [*(ROOT / "worker").rglob("*.py"), *(ROOT / "exporter").rglob("*.py"),
+                 *(ROOT / "vramledger").rglob("*.py")]:
         assert "test" not in path.stem, path
         assert "VRAMLEDGER_TEST" not in path.read_text(), path
 

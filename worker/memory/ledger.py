@@ -1,22 +1,16 @@
 """The memory ledger: every byte the worker holds, by owner, as served by GET /v1/memory."""
 from __future__ import annotations
 
-import os
-import re
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vramledger.identity import ProcessIdentity
+from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION
 from vramledger.units import GiB, MiB, format_bytes
-from worker.memory.device import Device, ProcessMemory, host_pid
+from worker.memory.device import Device, ProcessMemory
 from worker.memory.plan import blocks_per_sequence
 from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
-
-LEDGER_VERSION = 1
-# Entry order in the document and the table: from the process's start to the KV cache.
-COMPONENTS = ("runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "allocator",
-              "sequence_state", "server", "kv_cache")
 
 
 @dataclass
@@ -26,40 +20,6 @@ class LedgerEntry:
     component: str
     model: str
     bytes: int
-
-
-@dataclass(frozen=True)
-class WorkerIdentity:
-    """How the exporter finds this process: pid, host pid, container and host."""
-
-    pid: int
-    host_pid: int | None
-    container_id: str | None
-    hostname: str
-
-    @classmethod
-    def current(cls) -> WorkerIdentity:
-        return cls(os.getpid(), host_pid(), container_id(), socket.gethostname())
-
-
-def container_id() -> str | None:
-    """Our container's id (64 hex digits) from /proc/self/cgroup or mountinfo, None outside one."""
-    return container_id_from(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo"))
-
-
-def container_id_from(cgroup: str, mountinfo: str = "") -> str | None:
-    # docker: /docker/<id>, systemd: docker-<id>.scope, containerd/CRI: cri-containerd-<id>.scope;
-    # with a private cgroup namespace ("0::/") only docker's mounts of /etc/hostname show the id.
-    found = re.findall(r"[0-9a-f]{64}", cgroup) or re.findall(r"/containers/([0-9a-f]{64})/", mountinfo)
-    return found[-1] if found else None  # the container id follows the pod id in kubepods paths
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 @dataclass
@@ -83,7 +43,7 @@ class Ledger:
     blocks_used: int | Callable[[], int] = 0  # the engine may set a callable on its block pool
     max_model_len: int = 0
     num_speculative_tokens: int = 0
-    worker: WorkerIdentity = field(default_factory=WorkerIdentity.current)
+    worker: ProcessIdentity = field(default_factory=ProcessIdentity.current)
 
     @classmethod
     def at_start(cls, device: Device, target_model: str, draft_model: str | None = None,
@@ -144,11 +104,10 @@ class Ledger:
         process = self.device.process_bytes() if process_bytes is None else int(process_bytes)
         used = self.current_blocks_used() if blocks_used is None else int(blocks_used)
         declared = self.declared_bytes
-        w, d = self.worker, self.device
+        d = self.device
         return {
             "version": LEDGER_VERSION,
-            "worker": {"pid": w.pid, "host_pid": w.host_pid, "container_id": w.container_id,
-                       "hostname": w.hostname},
+            "worker": self.worker.to_dict(),
             "models": {"target": self.target_model, "draft": self.draft_model},
             "device": {"kind": d.kind, "index": d.index, "uuid": d.uuid, "name": d.name,
                        "total_bytes": self.total_bytes, "free_at_start_bytes": self.free_at_start_bytes},
