@@ -1,4 +1,5 @@
-"""The worker's packages import one way: cli -> http -> engine -> memory and models; no cycles."""
+"""The worker's packages import one way: cli -> http -> engine -> memory and models, engine and models ->
+kernels; no cycles."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Higher layers may import lower ones, never the reverse. config is plain settings: anyone may read it.
 LAYERS = {"worker.cli": 3, "worker.__main__": 4, "worker.http": 2, "worker.engine": 1,
-          "worker.memory": 0, "worker.models": 0,
+          "worker.memory": 0, "worker.models": 0, "worker.kernels": -1,
           # a top-level command beside serve: it starts worker and exporter processes, imports only
           # memory, and is imported by cli (a command's package sits just below the cli that names it)
           "worker.selfcheck": 2.5}
@@ -64,6 +65,13 @@ def test_config_and_memory_import_nothing_above_them():
     for module, deps in modules.items():
         if layer(module) == "worker.memory":
             assert all(layer(d) == "worker.memory" for d in deps), (module, deps)
+
+
+def test_kernels_import_nothing_of_the_worker_but_themselves():
+    kernels = {name: deps for name, deps in project_modules().items() if layer(name) == "worker.kernels"}
+    assert "worker.kernels.native" in kernels
+    for module, deps in kernels.items():
+        assert all(layer(d) == "worker.kernels" for d in deps), (module, deps)
 
 
 def test_no_import_cycles():

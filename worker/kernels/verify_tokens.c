@@ -1,5 +1,5 @@
 /* Verification of sampled rows' draft proposals from the target's logits, for float32 on AVX-512 or
- * AVX2 CPUs: what spec_decode.verify does for rows that sample at a temperature only.
+ * AVX2 CPUs: what engine/spec_decode.py's verify does for rows that sample at a temperature only.
  *
  * The torch path takes the softmax of all k + 1 positions of every row, then some thirty small ops
  * (0.9 ms a step at 1 row, k = 4). Here a row takes the softmax of a position only while its
@@ -7,7 +7,8 @@
  * rejection the row's next token is drawn from max(0, p_i - q_i) (from p_i where that has no mass),
  * and when all k are accepted, from p_k (the bonus). The same law as the torch path, from the same
  * uniforms; the last bits of p differ, so a decision that close to its threshold may differ.
- * Built and loaded by native.py.
+ * The body is here, its softmax and draws in softmax_draw.h. Built by native.py, called through
+ * verify_tokens.py, on the calling thread.
  */
 #include <stdlib.h>
 
@@ -20,8 +21,8 @@ void verify_tokens(const int64_t *draft, const float *q, const float *logits, in
                    const float *temperature, const float *u_accept, const float *u_next, int64_t *num_accepted,
                    int64_t *tokens) {
   const int64_t blocks = (V + 15) / 16;
-  float *weights = _mm_malloc(blocks * 16 * sizeof(float), 64);
-  float *residual = _mm_malloc(blocks * 16 * sizeof(float), 64);
+  float *weights = aligned_floats(blocks * 16);
+  float *residual = aligned_floats(blocks * 16);
   float *block_sums = malloc(blocks * sizeof(float));
   float *residual_sums = malloc(blocks * sizeof(float));
   for (int64_t r = 0; r < N; r++) {
@@ -35,14 +36,13 @@ void verify_tokens(const int64_t *draft, const float *q, const float *logits, in
     int64_t next = -1;
     if (n < k) { /* rejected: the residual max(0, p - q), its lanes past V 0 as p's are */
       const float *qn = q + (r * k + n) * V;
-      const __m512 scale = _mm512_set1_ps(1.0f / total), zero = _mm512_setzero_ps();
+      const f32x16 scale = f32x16_broadcast(1.0f / total), zero = f32x16_zero();
       float residual_total = 0;
       for (int64_t b = 0; b < blocks; b++) {
-        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(weights + b * 16), scale);
-        const __m512 w = _mm512_max_ps(zero, _mm512_sub_ps(p, _mm512_maskz_loadu_ps(tail_mask(V - b * 16),
-                                                                                     qn + b * 16)));
-        _mm512_store_ps(residual + b * 16, w);
-        residual_sums[b] = _mm512_reduce_add_ps(w);
+        const f32x16 p = f32x16_mul(f32x16_load(weights + b * 16), scale);
+        const f32x16 w = f32x16_max(zero, f32x16_sub(p, f32x16_load_masked(tail_mask(V - b * 16), qn + b * 16)));
+        f32x16_store_aligned(residual + b * 16, w);
+        residual_sums[b] = f32x16_reduce_add(w);
       }
       for (int64_t b = 0; b < blocks; b++) residual_total += residual_sums[b];
       if (residual_total > 0) next = draw_from_weights(residual, residual_sums, V, residual_total, u_next[r]);
@@ -56,6 +56,6 @@ void verify_tokens(const int64_t *draft, const float *q, const float *logits, in
   }
   free(residual_sums);
   free(block_sums);
-  _mm_free(residual);
-  _mm_free(weights);
+  free(residual);
+  free(weights);
 }

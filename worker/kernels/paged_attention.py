@@ -15,10 +15,9 @@ import math
 
 import torch
 
-from worker.models import native
+from worker.kernels import native
 
-
-MAX_SCRATCH = 16 << 20  # bytes of scores a thread holds for one row (paged_attention.c)
+MAX_SCRATCH = 16 << 20  # bytes of scores a thread holds for one row (paged_attention.h)
 
 
 @functools.cache
@@ -29,13 +28,17 @@ def _kernel():
                            pointer, ctypes.c_int)
 
 
+def available() -> bool:
+    return _kernel() is not None
+
+
 def runs_on(q: torch.Tensor, cache: torch.Tensor, context: int) -> bool:
     """Whether the kernel can attend q [B, Q, H, D] over `context` positions of this cache (float32
     CPU, eager, D a multiple of 16 up to 128, and a thread's scores for one row within MAX_SCRATCH:
     a long prompt over a sliding window goes to SDPA)."""
     B, Q, H, D = q.shape
     return (q.dtype == cache.dtype == torch.float32 and q.device.type == "cpu" and takes_head_dim(D)
-            and fits(Q, H, context) and not torch.compiler.is_compiling() and _kernel() is not None)
+            and fits(Q, H, context) and not torch.compiler.is_compiling() and available())
 
 
 def takes_head_dim(head_dim: int) -> bool:

@@ -1,11 +1,11 @@
-"""The CPU kernels this project writes in C (worker/models/*.c): built and loaded here.
+"""The build of the CPU kernels this project writes in C (worker/kernels/*.c): compiled and loaded here.
 
 Each source is compiled on first use with the system's C compiler (under a second) into
 ~/.cache/vramledger/kernels, named by a hash of the source, the headers beside it and the flags,
 and loaded with ctypes after torch, so the kernels' OpenMP threads are torch's own pool. They are
-written for AVX-512 and built for it where the CPU has it; on a CPU with AVX2 and FMA only they are
-built with avx512_on_avx2.h, each 16-lane vector a pair of 256-bit ones. Where neither or the
-compiler is missing, `load` returns None (saying why once) and callers keep torch's ops.
+built for AVX-512 where the CPU has it, and for AVX2 and FMA where it has those only: vec16.h then
+makes each 16-lane vector a pair of 256-bit ones. Where neither or the compiler is missing, `load`
+returns None (saying why once) and callers keep torch's ops.
 """
 from __future__ import annotations
 

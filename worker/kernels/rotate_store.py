@@ -2,7 +2,7 @@
 
 A decode step rotated q and k with four elementwise ops and stored k and v with two index_copy_,
 every layer: on the shipped target ~35 us a layer at 1 row and ~75 us at 32, against a few us
-here. Built by native.py; where it cannot run, llama.py keeps rope.rotate_ and write_kv.
+here. Built by native.py; where it cannot run, models/llama.py keeps rope.rotate_ and write_kv.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from worker.models import native
+from worker.kernels import native
 
 
 @functools.cache
@@ -21,10 +21,14 @@ def _kernel():
                            pointer, pointer, int64, pointer, pointer)
 
 
+def available() -> bool:
+    return _kernel() is not None
+
+
 def runs_on(heads: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the kernel can take heads [B, Q, H + 2 kvH, D] into this cache (float32 CPU, dense, eager)."""
     return (heads.dtype == cache.dtype == torch.float32 and heads.device.type == "cpu" and heads.is_contiguous()
-            and not torch.compiler.is_compiling() and _kernel() is not None)
+            and not torch.compiler.is_compiling() and available())
 
 
 def rotate_store(heads: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,

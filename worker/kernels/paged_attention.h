@@ -15,17 +15,17 @@
  * positions, so that the adds do not wait on each other). The heads that share a key/value head
  * and all of a row's query tokens share the reads. A token's chunks and their order depend only on
  * its own visible range: a row alone and in a batch, or a token decoded alone and verified among a
- * draft's, give the same bits.
+ * draft's, give the same bits. Included by paged_attention.c (the call of its own) and decoder_layers.c
+ * (a stage of the forward).
  */
 #ifndef PAGED_ATTENTION_H
 #define PAGED_ATTENTION_H
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "vector16.h"
+#include "vec16_exp.h"
 
 #define CHUNK 16
 #define AHEAD 2       /* chunks prefetched before they are read */
@@ -33,20 +33,19 @@
 
 /* The 16 sums of 16 lanes each, as one vector: lane c holds the sum of v[c]'s lanes. A tree of
  * in-lane then cross-lane adds, where one reduction per vector costs about three times as much. */
-static inline __m512 sum16(const __m512 v[CHUNK]) {
-  __m512 quads[4];
-  for (int g = 0; g < 4; g++) {  /* each 128-bit lane L: the sums over L of v[4g .. 4g+3] */
-    const __m512 *w = v + 4 * g;
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
-    quads[g] = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+static inline f32x16 sum16(const f32x16 v[CHUNK]) {
+  f32x16 quads[4];
+  for (int g = 0; g < 4; g++) {  /* each 128-bit quarter Q: the sums over Q of v[4g .. 4g+3] */
+    const f32x16 *w = v + 4 * g;
+    const f32x16 ab = f32x16_add(f32x16_interleave_lo(w[0], w[1]), f32x16_interleave_hi(w[0], w[1]));
+    const f32x16 cd = f32x16_add(f32x16_interleave_lo(w[2], w[3]), f32x16_interleave_hi(w[2], w[3]));
+    quads[g] = f32x16_add(f32x16_low_pairs(ab, cd), f32x16_high_pairs(ab, cd));
   }
-  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+  const f32x16 low = f32x16_add(f32x16_even_quarters(quads[0], quads[1]),
+                                f32x16_odd_quarters(quads[0], quads[1]));
+  const f32x16 high = f32x16_add(f32x16_even_quarters(quads[2], quads[3]),
+                                 f32x16_odd_quarters(quads[2], quads[3]));
+  return f32x16_add(f32x16_even_quarters(low, high), f32x16_odd_quarters(low, high));
 }
 
 /* The visible context of the token at position p: [start, end). */
@@ -58,14 +57,13 @@ static inline void visible(int64_t p, int64_t length, int64_t window, int64_t *s
 static inline int64_t round_up(int64_t c) { return c + (CHUNK - c % CHUNK) % CHUNK; }
 
 /* The scores of one query head against 16 keys, as one vector. */
-static inline __attribute__((always_inline)) __m512 chunk_scores(const float *query, const float *const *k,
-                                                                 int64_t offset, const int64_t vectors) {
-  __m512 raw[CHUNK];
+ALWAYS_INLINE f32x16 chunk_scores(const float *query, const float *const *k, int64_t offset, const int64_t vectors) {
+  f32x16 raw[CHUNK];
   for (int c = 0; c < CHUNK; c++) {
     const float *key = k[c] + offset;
-    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(key));
+    f32x16 sum = f32x16_mul(f32x16_load(query), f32x16_load(key));
     for (int64_t x = 1; x < vectors; x++)
-      sum = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * x), _mm512_loadu_ps(key + 16 * x), sum);
+      sum = f32x16_fmadd(f32x16_load(query + 16 * x), f32x16_load(key + 16 * x), sum);
     raw[c] = sum;
   }
   return sum16(raw);
@@ -73,20 +71,19 @@ static inline __attribute__((always_inline)) __m512 chunk_scores(const float *qu
 
 /* o = inverse * sum over n positions (a multiple of CHUNK) of w[c] * v[c]. Inlined with a constant
  * `vectors`, the accumulators live in registers. */
-static inline __attribute__((always_inline)) void weighted_values(const float *w, const float *const *v, int64_t offset,
-                                                                  int64_t n, const int64_t vectors, float inverse,
-                                                                  float *o) {
-  __m512 even[MAX_VECTORS], odd[MAX_VECTORS];
-  for (int64_t x = 0; x < vectors; x++) even[x] = odd[x] = _mm512_setzero_ps();
+ALWAYS_INLINE void weighted_values(const float *w, const float *const *v, int64_t offset, int64_t n,
+                                   const int64_t vectors, float inverse, float *o) {
+  f32x16 even[MAX_VECTORS], odd[MAX_VECTORS];
+  for (int64_t x = 0; x < vectors; x++) even[x] = odd[x] = f32x16_zero();
   for (int64_t c = 0; c < n; c += 2) {
-    const __m512 w0 = _mm512_set1_ps(w[c]), w1 = _mm512_set1_ps(w[c + 1]);
+    const f32x16 w0 = f32x16_broadcast(w[c]), w1 = f32x16_broadcast(w[c + 1]);
     for (int64_t x = 0; x < vectors; x++) {
-      even[x] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v[c] + offset + 16 * x), even[x]);
-      odd[x] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v[c + 1] + offset + 16 * x), odd[x]);
+      even[x] = f32x16_fmadd(w0, f32x16_load(v[c] + offset + 16 * x), even[x]);
+      odd[x] = f32x16_fmadd(w1, f32x16_load(v[c + 1] + offset + 16 * x), odd[x]);
     }
   }
   for (int64_t x = 0; x < vectors; x++)
-    _mm512_storeu_ps(o + 16 * x, _mm512_mul_ps(_mm512_add_ps(even[x], odd[x]), _mm512_set1_ps(inverse)));
+    f32x16_store(o + 16 * x, f32x16_mul(f32x16_add(even[x], odd[x]), f32x16_broadcast(inverse)));
 }
 
 static void weighted_values_any(const float *w, const float *const *v, int64_t offset, int64_t n, int64_t vectors,
@@ -100,7 +97,7 @@ static void weighted_values_any(const float *w, const float *const *v, int64_t o
   }
 }
 
-static __m512 chunk_scores_any(const float *query, const float *const *k, int64_t offset, int64_t vectors) {
+static f32x16 chunk_scores_any(const float *query, const float *const *k, int64_t offset, int64_t vectors) {
   switch (vectors) {  /* as weighted_values_any */
     case 1: return chunk_scores(query, k, offset, 1);
     case 2: return chunk_scores(query, k, offset, 2);
@@ -113,7 +110,7 @@ static __m512 chunk_scores_any(const float *query, const float *const *k, int64_
 /* The first `lines` cache lines at each of 16 positions, into L2 (into L1 the prefetches stalled). */
 static inline void prefetch(const float *const *at, int64_t lines) {
   for (int c = 0; c < CHUNK; c++)
-    for (int64_t x = 0; x < lines; x++) _mm_prefetch((const char *)(at[c] + 16 * x), _MM_HINT_T1);
+    for (int64_t x = 0; x < lines; x++) __builtin_prefetch(at[c] + 16 * x, 0, 2);  /* to read, into L2 */
 }
 
 /* q: token t = b * Q + i at q + t * q_stride, head h at + h * D. keys, values: [slots, kv_heads, D].
@@ -132,7 +129,7 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
   /* Per thread, reused by its tasks: where each position's keys and values sit, and the scores
    * (then weights) of each (key/value head, query token, head) at each position. */
   const float **k = malloc(2 * span * sizeof(float *)), **v = k + span;
-  float *scores = _mm_malloc(per_task * span * sizeof(float), 64);
+  float *scores = aligned_floats(per_task * span);
   int64_t *start = malloc(2 * Q * sizeof(int64_t)), *end = start + Q;
 #pragma omp for schedule(static)
   for (int64_t task = 0; task < B * kv_heads / group; task++) {
@@ -151,22 +148,23 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
     }
     const int64_t lines = group * vectors;  /* cache lines of one position's keys in this task */
     for (int64_t c0 = lo; c0 < lo + AHEAD * CHUNK && c0 < hi; c0 += CHUNK) prefetch(k + c0 - lo, lines);
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const i32x16 lane = i32x16_lane_index();
     for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
       const int64_t t = c0 - lo;
       if (c0 + AHEAD * CHUNK < hi) prefetch(k + t + AHEAD * CHUNK, lines);
       prefetch(v + t, lines);  /* read after every score: by then they are in the caches */
       for (int64_t i = 0; i < Q; i++) {
         if (end[i] <= c0 || start[i] >= c0 + CHUNK) continue;  /* nothing of this chunk is visible */
-        const __m512i offset = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(c0 - start[i])));
-        const __mmask16 seen = _mm512_cmp_epi32_mask(offset, _mm512_setzero_si512(), _MM_CMPINT_NLT) &
-                               _mm512_cmp_epi32_mask(offset, _mm512_set1_epi32((int)(end[i] - start[i])), _MM_CMPINT_LT);
+        const i32x16 offset = i32x16_add(lane, i32x16_broadcast((int)(c0 - start[i])));
+        const mask16 seen = i32x16_at_least(offset, i32x16_zero()) &
+                            i32x16_less(offset, i32x16_broadcast((int)(end[i] - start[i])));
         for (int64_t g = 0; g < group; g++) {
           const float *query = q + (b * Q + i) * q_stride + (g0 + g) * shared * D;
           for (int64_t r = 0; r < shared; r++) {
-            const __m512 s = _mm512_mul_ps(chunk_scores_any(query + r * D, k + t, g * D, vectors), _mm512_set1_ps(scale));
-            _mm512_storeu_ps(scores + ((g * Q + i) * shared + r) * span + t,
-                             _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, s));
+            const f32x16 s = f32x16_mul(chunk_scores_any(query + r * D, k + t, g * D, vectors),
+                                        f32x16_broadcast(scale));
+            f32x16_store(scores + ((g * Q + i) * shared + r) * span + t,
+                         f32x16_select(seen, s, f32x16_broadcast(-INFINITY)));
           }
         }
       }
@@ -176,22 +174,22 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
       float *o = out + ((b * Q + i) * heads + (g0 + g) * shared + r) * D;
       const int64_t from = start[i] - start[i] % CHUNK - lo, to = end[i] <= start[i] ? from : round_up(end[i]) - lo;
       float *w = scores + j * span;
-      __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-      for (int64_t t = from; t < to; t += CHUNK) top = _mm512_max_ps(top, _mm512_loadu_ps(w + t));
-      const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+      f32x16 top = f32x16_broadcast(-INFINITY), sum = f32x16_zero();
+      for (int64_t t = from; t < to; t += CHUNK) top = f32x16_max(top, f32x16_load(w + t));
+      const f32x16 best = f32x16_broadcast(f32x16_reduce_max(top));
       for (int64_t t = from; t < to; t += CHUNK) {
-        const __m512 s = _mm512_loadu_ps(w + t);
-        const __mmask16 seen = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(s, best)));
-        _mm512_storeu_ps(w + t, e);
-        sum = _mm512_add_ps(sum, e);
+        const f32x16 s = f32x16_load(w + t);
+        const mask16 seen = f32x16_ordered_not_equal(s, f32x16_broadcast(-INFINITY));
+        const f32x16 e = f32x16_keep(seen, exp_nonpositive(f32x16_sub(s, best)));
+        f32x16_store(w + t, e);
+        sum = f32x16_add(sum, e);
       }
-      const float total = _mm512_reduce_add_ps(sum);
+      const float total = f32x16_reduce_add(sum);
       weighted_values_any(w + from, v + from, g * D, to - from, vectors, total > 0.0f ? 1.0f / total : 0.0f, o);
     }
   }
   free(k);
-  _mm_free(scores);
+  free(scores);
   free(start);
 }
 

@@ -1,5 +1,6 @@
-/* One matmul by a blocked weight (blocked_linear.h), in a parallel region of its own.
- * Built and loaded by native.py; threads come from the OpenMP runtime torch has loaded.
+/* One matmul by a blocked weight in a parallel region of its own: the body is blocked_linear_in_team in
+ * blocked_linear.h (decoder_layers.c runs it as a stage). Built by native.py, called through
+ * blocked_linear.py; threads come from the OpenMP runtime torch has loaded.
  */
 #include "blocked_linear.h"
 

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from worker.models import native
+from worker.kernels import native
 
 
 @functools.cache
@@ -21,10 +21,14 @@ def _kernel():
                            ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p)
 
 
+def available() -> bool:
+    return _kernel() is not None
+
+
 def runs_on(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel can normalize x with weight (float32 on a CPU that runs it, eager)."""
     return (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and _kernel() is not None)
+            and available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

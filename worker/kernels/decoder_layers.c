@@ -6,10 +6,10 @@
  * headers, so threads meet at a barrier between stages instead of starting a region and returning
  * to Python for each one (a step of the shipped target made ~13 calls a layer). Every stage
  * computes what its own kernel computes, to the bit, save SiLU and RoPE's cos and sin (the C
- * library's): rows keep their bits alone and in a batch.
- * Built and loaded by native.py; threads come from torch's OpenMP pool.
+ * library's): rows keep their bits alone and in a batch. The stages' bodies are in those headers; the
+ * embedding, angles, SiLU and head are here. Built by native.py, called through decoder_layers.py;
+ * threads come from torch's OpenMP pool.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -18,7 +18,7 @@
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "rotate_store.h"
-#include "vector16.h"
+#include "vec16_exp.h"
 
 /* One layer's weights: matmul weights blocked ([out / 16, in, 16]); a bias may be NULL. */
 struct layer {
@@ -71,14 +71,14 @@ static void silu_mul_in_team(const float *gate_up, int64_t rows, int64_t inner, 
   for (int64_t r = 0; r < rows; r++) {
     const float *gate = gate_up + r * 2 * inner, *up = gate + inner;
     for (int64_t i = 0; i < inner; i += 16) {
-      const __mmask16 m = tail_mask(inner - i);
-      const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-      const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-      const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(_mm512_set1_ps(1.0f), negative, e),
-                                           _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      _mm512_mask_storeu_ps(act + i + r * inner, m,
-                            _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_maskz_loadu_ps(m, up + i)));
+      const mask16 m = tail_mask(inner - i);
+      const f32x16 g = f32x16_load_masked(m, gate + i);
+      const f32x16 e = exp_nonpositive(f32x16_sub(f32x16_zero(), f32x16_abs(g)));
+      const mask16 negative = f32x16_less(g, f32x16_zero());
+      const f32x16 sigmoid = f32x16_div(f32x16_select(negative, e, f32x16_broadcast(1.0f)),
+                                        f32x16_add(f32x16_broadcast(1.0f), e));
+      f32x16_store_masked(act + i + r * inner, m,
+                          f32x16_mul(f32x16_mul(g, sigmoid), f32x16_load_masked(m, up + i)));
     }
   }
 }

@@ -6,45 +6,45 @@
  * Every output sums over k in order, so a row's result does not depend on M or on the tile it
  * falls in: one row decoded alone and the same row in a batch give the same bits. The bias and
  * the residual are added as torch adds them after a matmul ((x @ W^T + bias), then residual + it).
+ * Included by blocked_linear.c (the call of its own) and decoder_layers.c (a stage of the forward).
  */
 #ifndef BLOCKED_LINEAR_H
 #define BLOCKED_LINEAR_H
-#include <immintrin.h>
 #include <stdint.h>
 
-#include "vector16.h"
+#include "vec16.h"
 
-#ifdef __AVX512F__
-#define MAX_ROWS 6 /* 6 x 4 blocks: 24 of the 32 vector registers */
+#if F32X16_REGISTERS >= 32
+#define MAX_ROWS 6 /* 6 x 4 blocks: 24 of the 32 vectors the registers hold */
 #define WIDE 4
 #else
-#define MAX_ROWS 3 /* a block is two of AVX2's 16 registers: 3 x 2 blocks take 12 */
+#define MAX_ROWS 3 /* AVX2's registers hold 8: 3 x 2 blocks take 6 */
 #define WIDE 2
 #endif
 
 #define TILE(ROWS, BLOCKS)                                                                         \
-  static inline __attribute__((always_inline)) void tile_##ROWS##_##BLOCKS(                       \
+  ALWAYS_INLINE void tile_##ROWS##_##BLOCKS(                                                       \
       const float *x, int64_t K, const float *w, float *y, int64_t N, const float *bias,           \
       const float *residual) {                                                                     \
-    __m512 acc[ROWS][BLOCKS];                                                                      \
+    f32x16 acc[ROWS][BLOCKS];                                                                      \
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                         \
-        _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_setzero_ps();  \
+        _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++) acc[r][b] = f32x16_zero();        \
     for (int64_t k = 0; k < K; k++) {                                                              \
-      __m512 wk[BLOCKS];                                                                           \
+      f32x16 wk[BLOCKS];                                                                           \
       _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++)                                     \
-          wk[b] = _mm512_loadu_ps(w + (b * K + k) * 16);                                           \
+          wk[b] = f32x16_load(w + (b * K + k) * 16);                                               \
       _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                     \
-        __m512 xk = _mm512_set1_ps(x[r * K + k]);                                                  \
+        f32x16 xk = f32x16_broadcast(x[r * K + k]);                                                \
         _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++)                                   \
-            acc[r][b] = _mm512_fmadd_ps(xk, wk[b], acc[r][b]);                                     \
+            acc[r][b] = f32x16_fmadd(xk, wk[b], acc[r][b]);                                        \
       }                                                                                            \
     }                                                                                              \
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                         \
         _Pragma("GCC unroll 4") for (int b = 0; b < BLOCKS; b++) {                                 \
-      __m512 out = acc[r][b];                                                                      \
-      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + b * 16));                          \
-      if (residual) out = _mm512_add_ps(_mm512_loadu_ps(residual + r * N + b * 16), out);          \
-      _mm512_storeu_ps(y + r * N + b * 16, out);                                                   \
+      f32x16 out = acc[r][b];                                                                      \
+      if (bias) out = f32x16_add(out, f32x16_load(bias + b * 16));                                 \
+      if (residual) out = f32x16_add(f32x16_load(residual + r * N + b * 16), out);                 \
+      f32x16_store(y + r * N + b * 16, out);                                                       \
     }                                                                                              \
   }
 
@@ -52,7 +52,7 @@
  * TILES[wide][rows - 1] is the tile for WIDE blocks (wide) or 1. */
 typedef void (*tile_fn)(const float *, int64_t, const float *, float *, int64_t, const float *,
                         const float *);
-#ifdef __AVX512F__
+#if WIDE == 4
 TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4) TILE(5, 4) TILE(6, 4)
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
 static const tile_fn TILES[2][MAX_ROWS] = {

@@ -1,5 +1,6 @@
-/* Decode and verify attention over the paged cache (paged_attention.h), in a parallel region of its own.
- * Built and loaded by native.py; threads come from torch's OpenMP pool.
+/* Decode and verify attention over the paged cache in a parallel region of its own: the body is
+ * paged_attention_in_team in paged_attention.h (decoder_layers.c runs it as a stage). Built by native.py,
+ * called through paged_attention.py; threads come from torch's OpenMP pool.
  */
 #include "paged_attention.h"
 

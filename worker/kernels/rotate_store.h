@@ -1,5 +1,6 @@
 /* One layer's new tokens: rotate the query and key heads in place (rotate-half RoPE), then store each
  * real token's keys and values at its slot of the paged cache.
+ * Included by rotate_store.c (the call of its own) and decoder_layers.c (a stage of the forward).
  */
 #ifndef ROTATE_STORE_H
 #define ROTATE_STORE_H

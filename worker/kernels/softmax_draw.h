@@ -1,4 +1,4 @@
-/* A row's softmax weights and one draw from them, shared by draw_tokens.c and verify_tokens.c.
+/* A row's softmax weights and one draw from them, included by draw_tokens.c and verify_tokens.c.
  * Weights are e^(x / T - max) in 16-lane blocks, each block's sum kept, so that a draw walks the
  * blocks first and one block's lanes last: cumulative weights summed in one fixed order, so a
  * row's token depends on its own numbers only, never on its batch. */
@@ -6,25 +6,25 @@
 #define SOFTMAX_DRAW_H
 #include <math.h>
 
-#include "vector16.h"
+#include "vec16_exp.h"
 
 /* weights [blocks * 16] (64-byte aligned; lanes past V get 0) and block_sums [blocks] of the row x [V]
  * at temperature t; returns their total. A logit of -inf gets weight 0. */
 static inline float softmax_weights(const float *x, int64_t V, float t, float *weights, float *block_sums) {
   const int64_t blocks = (V + 15) / 16;
-  const __m512 minus_inf = _mm512_set1_ps(-INFINITY), tv = _mm512_set1_ps(t);
-  __m512 best = minus_inf;
+  const f32x16 minus_inf = f32x16_broadcast(-INFINITY), tv = f32x16_broadcast(t);
+  f32x16 best = minus_inf;
   for (int64_t i = 0; i < V; i += 16)
-    best = _mm512_max_ps(best, _mm512_mask_loadu_ps(minus_inf, tail_mask(V - i), x + i));
+    best = f32x16_max(best, f32x16_load_masked_or(tail_mask(V - i), x + i, minus_inf));
   /* Dividing is monotone, so the largest x / T is the largest x divided by T. */
-  const __m512 top = _mm512_div_ps(_mm512_set1_ps(_mm512_reduce_max_ps(best)), tv);
+  const f32x16 top = f32x16_div(f32x16_broadcast(f32x16_reduce_max(best)), tv);
   float total = 0;
   for (int64_t b = 0; b < blocks; b++) {
-    const __m512 y = _mm512_div_ps(_mm512_mask_loadu_ps(minus_inf, tail_mask(V - b * 16), x + b * 16), tv);
-    const __mmask16 finite = _mm512_cmp_ps_mask(y, minus_inf, _CMP_NEQ_OQ);
-    const __m512 w = _mm512_maskz_mov_ps(finite, exp_nonpositive(_mm512_sub_ps(y, top)));
-    _mm512_store_ps(weights + b * 16, w);
-    block_sums[b] = _mm512_reduce_add_ps(w);
+    const f32x16 y = f32x16_div(f32x16_load_masked_or(tail_mask(V - b * 16), x + b * 16, minus_inf), tv);
+    const mask16 finite = f32x16_ordered_not_equal(y, minus_inf);
+    const f32x16 w = f32x16_keep(finite, exp_nonpositive(f32x16_sub(y, top)));
+    f32x16_store_aligned(weights + b * 16, w);
+    block_sums[b] = f32x16_reduce_add(w);
   }
   for (int64_t b = 0; b < blocks; b++) total += block_sums[b];
   return total;

@@ -9,7 +9,7 @@ are small: a 256 x 256 one at 1 row, weights in cache, took 18 us through oneDNN
 `in` in order), so a token decoded alone and in a batch agree to the bit.
 
 Built and loaded by native.py; where it cannot run (neither AVX-512 nor AVX2, no C compiler) `available()` is
-False and weights stay with oneDNN.
+False and models/packed_linear.py keeps weights with oneDNN.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from worker.models import native
+from worker.kernels import native
 
 BLOCK = 16  # outputs a block holds: one AVX-512 register of float32 (two of AVX2)
 
