@@ -10,6 +10,7 @@ from typing import Protocol
 import psutil
 
 from exporter.errors import ErrorLog
+from exporter.smaps import ProportionalSizes
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class ProcessMemory:
     pid: int
     name: str
     bytes: int | None
+    measure: str  # what bytes is: "nvml" (used GPU memory), "pss" or "rss" (host)
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ class NvmlSource:
             before = used.get(info.pid, 0)
             mem = info.usedGpuMemory
             used[info.pid] = None if before is None or mem is None else before + mem
-        return tuple(ProcessMemory(pid, self._process_name(pid), b) for pid, b in used.items())
+        return tuple(ProcessMemory(pid, self._process_name(pid), b, "nvml") for pid, b in used.items())
 
     def _process_name(self, pid: int) -> str:
         if pid not in self._names:
@@ -165,24 +167,40 @@ class NvmlSource:
 
 
 class HostSource:
-    """Reads host memory and the processes above a size threshold (for CPU workers)."""
+    """Reads host memory and the processes above a size threshold (for CPU workers).
+
+    A process's memory is its PSS where /proc/<pid>/smaps_rollup can be read (so that pages shared
+    between processes count once, and the listed processes never add up to more than the host
+    uses), its RSS otherwise; each series says which (measure="pss" or "rss").
+    """
     name = "host"
 
-    def __init__(self, errors: ErrorLog, min_process_bytes: int = 64 * MiB):
+    def __init__(self, errors: ErrorLog, min_process_bytes: int = 64 * MiB,
+                 sizes: ProportionalSizes | None = None):
         self._errors = errors
         self._min_process_bytes = min_process_bytes
         self._own_pid = os.getpid()
+        self._sizes = sizes or ProportionalSizes()
 
     def read(self, keep_pids: frozenset[int] = frozenset()) -> list[DeviceMemory]:
         vm = psutil.virtual_memory()
-        processes = []
-        # Names only for the kept processes: reading them all would dominate the scrape.
-        for proc in psutil.process_iter(["memory_info"]):
+        found: dict[int, tuple[psutil.Process, int]] = {}
+        started: dict[int, tuple[float, int]] = {}
+        for proc in psutil.process_iter(["memory_info", "create_time"]):
             mem = proc.info["memory_info"]  # None when access is denied or the process is a zombie
-            if mem is None or proc.pid == self._own_pid:
+            # RSS bounds PSS: a process below the threshold by RSS is below it by PSS too.
+            if mem is None or proc.pid == self._own_pid or (mem.rss < self._min_process_bytes
+                                                            and proc.pid not in keep_pids):
                 continue
-            if mem.rss >= self._min_process_bytes or proc.pid in keep_pids:
-                processes.append(ProcessMemory(proc.pid, _psutil_name(proc.pid, proc), mem.rss))
+            found[proc.pid] = (proc, mem.rss)
+            started[proc.pid] = (proc.info["create_time"], mem.rss)
+        pss = self._sizes.sizes(started)
+        processes = []
+        for pid, (proc, rss) in found.items():
+            size, measure = (rss, "rss") if pss[pid] is None else (pss[pid], "pss")
+            # Names only for the listed processes: reading them all would dominate the scrape.
+            if size >= self._min_process_bytes or pid in keep_pids:
+                processes.append(ProcessMemory(pid, _psutil_name(pid, proc), size, measure))
         # used = total - available, so that used + free = total as on a GPU.
         return [DeviceMemory(HOST, "", "host", vm.total, vm.total - vm.available, vm.available, None,
                              tuple(processes))]

@@ -39,9 +39,9 @@ def test_a_worker_found_through_the_api_is_read_like_a_given_one(api, worker):  
     api.pods.append(worker_pod(url))
     engines = discovered(api, clock, errors)
     try:
-        states = engines.read()
+        state = engines.read()[url].state
         assert engines.urls == [url]
-        assert states[url].pids == {proc.pid} and states[url].declared_bytes > 0
+        assert state.pids == {proc.pid} and state.declared_bytes > 0
         # The pod goes away: its adapter with it, once the list is refreshed.
         api.pods.clear()
         clock.now += 30
@@ -69,14 +69,15 @@ def test_adapters_follow_the_pods(api):
     engines = discovered(api, clock, errors)
     try:
         engines._update(engines._pods.engines())
-        [(uid, adapter)] = engines._found.values()
+        [uid] = engines._found.values()
+        [adapter] = engines._engines.engines
         assert isinstance(adapter, VllmEngine) and uid == UID and engines.urls == ["http://10.244.1.30:8000"]
         # Another pod takes the same IP and port: another adapter, for the new pod's processes.
         api.pods[:] = [pod("vllm-1", "inference", NODE, ip="10.244.1.30", labels={"vramledger.io/engine": "vllm"})]
         clock.now += 30
         engines._update(engines._pods.engines())
-        [(uid, _)] = engines._found.values()
-        assert uid == api.pods[0]["metadata"]["uid"]
+        [uid] = engines._found.values()
+        assert uid == api.pods[0]["metadata"]["uid"] and adapter not in engines._engines.engines
     finally:
         engines.close()
 

@@ -95,12 +95,14 @@ def test_worker_and_foreign_processes(spawn, tmp_path):
     samples = scrape(port)
     [mine] = find(samples, "vramledger_device_process_memory_bytes", pid=str(worker.pid))
     assert mine.labels == {"device": "host", "uuid": "", "pid": str(worker.pid),
-                           "process": psutil.Process(worker.pid).name(), "owner": "worker", "worker": url}
+                           "process": psutil.Process(worker.pid).name(), "owner": "worker", "worker": url,
+                           "measure": "pss"}
     assert mine.value >= 64 * MiB
     assert one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host") == mine.value
     [theirs] = find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))
     assert theirs.labels == {"device": "host", "uuid": "", "pid": str(foreign.pid),
-                             "process": psutil.Process(foreign.pid).name(), "owner": "foreign", "worker": ""}
+                             "process": psutil.Process(foreign.pid).name(), "owner": "foreign", "worker": "",
+                             "measure": "pss"}
     assert theirs.value >= 512 * MiB
     assert one(samples, "vramledger_device_foreign_memory_bytes", device="host") >= theirs.value
     assert one(samples, "vramledger_worker_up", worker=url) == 1

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from fake_pynvml import FakeGpu, GiB, proc
 from test_exporter_host import PY, read_line, spawn  # noqa: F401
-from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, worker
+from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, state, worker
 
 from exporter.cli import build_parser
 from exporter.engines import VllmEngine, parse_vllm_arg
@@ -30,8 +30,7 @@ def test_parse_the_recorded_vllm_metrics():
     metrics = parse_metrics(RECORDED.read_text())
     # The CPU backend reports its VLLM_CPU_KVCACHE_SPACE (1 GiB) as kv_cache_memory_bytes.
     assert metrics == VllmMetrics(model=MODEL, gpu_memory_utilization=0.92, kv_cache_memory_bytes=1 << 30,
-                                  num_gpu_blocks=1024, block_size=128, kv_usage=0.0, requests_running=0.0,
-                                  requests_waiting=0.0)
+                                  num_gpu_blocks=1024, block_size=128, kv_usage=0.0)
     assert metrics.declared_share is None  # an explicit KV size: vLLM's budget is unknown
 
 
@@ -57,22 +56,16 @@ def test_parse_the_recorded_speculative_vllm_metrics():
     # The same server with the shipped draft, k=4, after two completions.
     metrics = parse_metrics(SPEC_RECORDED.read_text())
     assert metrics == VllmMetrics(model=MODEL, gpu_memory_utilization=0.92, kv_cache_memory_bytes=1 << 30,
-                                  num_gpu_blocks=910, block_size=128, kv_usage=0.0, requests_running=0.0,
-                                  requests_waiting=0.0, spec_decode_drafts=8.0, spec_decode_draft_tokens=32.0,
-                                  spec_decode_accepted_tokens=26.0)
+                                  num_gpu_blocks=910, block_size=128, kv_usage=0.0)
 
 
-def test_data_parallel_engines_are_summed_and_the_fullest_kv_cache_wins():
-    text = SPEC_RECORDED.read_text()
-    second = [line.replace('engine="0"', 'engine="1"') for line in text.splitlines()
-              if line.startswith(("vllm:spec_decode_num_drafts_total", "vllm:num_requests_running"))]
-    second.append(f'vllm:kv_cache_usage_perc{{engine="1",model_name="{MODEL}"}} 0.5')
-    lines = text.splitlines()
-    for extra in second:  # each beside its family, as a data-parallel server serves them
-        name = extra.split("{")[0]
-        lines.insert(max(i for i, line in enumerate(lines) if line.startswith(name + "{")) + 1, extra)
-    metrics = parse_metrics("\n".join(lines) + "\n")
-    assert (metrics.spec_decode_drafts, metrics.requests_running, metrics.kv_usage) == (16.0, 0.0, 0.5)
+def test_data_parallel_engines_the_fullest_kv_cache_wins():
+    lines = SPEC_RECORDED.read_text().splitlines()
+    first = max(i for i, line in enumerate(lines) if line.startswith("vllm:kv_cache_usage_perc{"))
+    # Beside its family, as a data-parallel server serves it; a longer name sharing the prefix is not read.
+    lines[first + 1:first + 1] = [f'vllm:kv_cache_usage_perc{{engine="1",model_name="{MODEL}"}} 0.5',
+                                  "vllm:kv_cache_usage_percentile_of_nothing 0.9"]
+    assert parse_metrics("\n".join(lines) + "\n").kv_usage == 0.5
 
 
 def test_garbage_or_another_server_is_no_vllm_text():
@@ -132,6 +125,10 @@ def test_nothing_listening_and_a_remote_host_say_why():
 
 def test_the_vllm_argument():
     assert parse_vllm_arg("http://vllm:8000/") == ("http://vllm:8000", None)
+    # vLLM's OpenAI base URL, as its clients are configured, means the server.
+    assert parse_vllm_arg("http://vllm:8000/v1") == parse_vllm_arg("http://vllm:8000/v1/") == (
+        "http://vllm:8000", None)
+    assert parse_vllm_arg("http://vllm:8000/v1=4242") == ("http://vllm:8000", 4242)
     assert parse_vllm_arg("http://vllm:8000=4242") == ("http://vllm:8000", 4242)
     assert parse_vllm_arg("http://vllm:8000/x?a=b") == ("http://vllm:8000/x?a=b", None)
     args = build_parser().parse_args(["--vllm", "http://a:8000", "--worker", "http://b:8000",
@@ -194,6 +191,7 @@ def test_tensor_parallel_2_a_rank_over_budget_a_foreign_process(monkeypatch, spa
         + process("1", "GPU-1", 999, "trainer", int(5.5 * GiB))
         + process("1", "GPU-1", 4242, "python3", int(3.5 * GiB), worker=ours)
         + worker(ours, 3 * GiB, observed={"1": int(3.5 * GiB)})
+        + state(url, "serving")
         + [m("worker_up", 1, worker=url),
            m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
            m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
@@ -225,9 +223,11 @@ def test_an_explicit_kv_size_declares_nothing_but_attributes(monkeypatch, spawn,
     assert values == dict(
         device("0", "GPU-0", 80 * GiB, 31 * GiB, reserved=0, foreign=0, unattributed=GiB)
         + process("0", "GPU-0", rank, "VLLM::Worker", 30 * GiB, worker=url)
+        + state(url, "serving")
         + [m("worker_up", 1, worker=url),
            m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
            m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
-           m("worker_observed_memory_bytes", 30 * GiB, worker=url, device="0")])
+           m("worker_observed_memory_bytes", 30 * GiB, worker=url, device="0")]
+        + state(url, "serving"))
     assert errors == NO_ERRORS | {"vllm": 0}
     client.close()
