@@ -89,8 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for chatty in ("httpx", "httpcore"):  # a line per request per scrape otherwise
-        logging.getLogger(chatty).setLevel(logging.WARNING)
     vllm_urls = [text.rpartition("=")[0] if parse_vllm_arg(text)[1] else text for text in args.vllm]
     for url in [*args.worker, *vllm_urls]:
         if base_url(url) != url.rstrip("/"):

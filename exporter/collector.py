@@ -35,9 +35,9 @@ GAUGES = {
     "vramledger_worker_up": ("1 when the worker serves (its ledger, or vLLM's /metrics, was read), else 0.",
                              ("worker",)),
     "vramledger_worker_state": (
-        ("1 for the worker's state, 0 for the others: serving; loading (it answered 503: loading, "
-         "draining); unreachable (no answer within --worker-timeout); wrong (an answer that is not this "
-         "kind of engine's, counted in vramledger_exporter_errors_total)."), ("worker", "state")),
+        ("1 for the worker's state, 0 for the others: serving; loading (it answered 503, as while it "
+         "loads its model); unreachable (no answer within --worker-timeout); wrong (an answer that is not "
+         "this kind of engine's, counted in vramledger_exporter_errors_total)."), ("worker", "state")),
     "vramledger_worker_info": ("The engine behind each worker URL: its kind, version and model.",
                                ("worker", "engine", "version", "model")),
     "vramledger_worker_kv_cache_usage_ratio": ("Fraction of the worker's KV cache in use.", ("worker",)),

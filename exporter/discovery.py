@@ -7,36 +7,42 @@ namespace, so finding them by port would fail.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
-
-import httpx
 
 from exporter.cgroups import pids_in_pod
 from exporter.engines import Engine, Engines, Reading, VllmEngine, VramledgerEngine
+from exporter.engines.fetch import HttpClient
 from exporter.engines.vllm import SOURCE as VLLM_SOURCE
 from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
 from exporter.errors import ErrorLog
 from exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
 from exporter.kubernetes import Engine as FoundEngine
 from exporter.kubernetes import PodDirectory
-from exporter.processes import NotFound
+from exporter.processes import TREE_MAX_AGE, NotFound
 
 
 class PodLocator:
-    """The processes of one pod, by their cgroups (exporter.processes.Locator)."""
+    """The processes of one pod, by their cgroups (exporter.processes.Locator); kept TREE_MAX_AGE seconds,
+    as a scan reads the cgroup of every process on the node."""
 
-    def __init__(self, pod_uid: str, name: str, proc_root: str | Path = "/proc"):
+    def __init__(self, pod_uid: str, name: str, proc_root: str | Path = "/proc", clock=time.monotonic):
         self.pod_uid, self.name, self._proc_root = pod_uid, name, proc_root
+        self._clock = clock
+        self._found: frozenset[int] = frozenset()
+        self._found_at = float("-inf")
 
     def pids(self) -> frozenset[int]:
-        found = pids_in_pod(self.pod_uid, self._proc_root)
-        if not found:
+        if self._clock() - self._found_at >= TREE_MAX_AGE:
+            self._found, self._found_at = pids_in_pod(self.pod_uid, self._proc_root), self._clock()
+        if not self._found:
+            self.forget()
             raise NotFound(f"no process of pod {self.name} is visible (is the exporter in the host pid "
                            "namespace?)")
-        return found
+        return self._found
 
     def forget(self) -> None:
-        pass  # nothing cached
+        self._found, self._found_at = frozenset(), float("-inf")
 
 
 class DiscoveredEngines:
@@ -47,8 +53,7 @@ class DiscoveredEngines:
         self._engines = given  # the found ones are added to it while the API lists them
         self._given = set(given.urls)
         self._errors = errors
-        # trust_env=False: a proxy from the environment must not sit between the exporter and its engines.
-        self._client = httpx.Client(timeout=timeout, trust_env=False)
+        self._client = HttpClient(timeout)
         self._found: dict[str, str] = {}  # URL -> pod UID, while listed
         self.sources = tuple(dict.fromkeys((*given.sources, WORKER_SOURCE, VLLM_SOURCE, KUBERNETES_SOURCE)))
 

@@ -10,7 +10,7 @@ from typing import Protocol
 import psutil
 
 from exporter.errors import ErrorLog
-from exporter.smaps import ProportionalSizes
+from exporter.procfs import ProportionalSizes, pids, read_rss, read_start
 
 log = logging.getLogger(__name__)
 
@@ -181,29 +181,35 @@ class HostSource:
         self._min_process_bytes = min_process_bytes
         self._own_pid = os.getpid()
         self._sizes = sizes or ProportionalSizes()
+        self._names: dict[int, tuple[int, str]] = {}  # pid -> (start, name) of the listed processes
 
     def read(self, keep_pids: frozenset[int] = frozenset()) -> list[DeviceMemory]:
         vm = psutil.virtual_memory()
-        found: dict[int, tuple[psutil.Process, int]] = {}
-        started: dict[int, tuple[float, int]] = {}
-        for proc in psutil.process_iter(["memory_info", "create_time"]):
-            mem = proc.info["memory_info"]  # None when access is denied or the process is a zombie
+        found: dict[int, tuple[int, int]] = {}  # pid -> (start, RSS)
+        for pid in pids():
+            rss = read_rss(pid)  # None when the process exited meanwhile
             # RSS bounds PSS: a process below the threshold by RSS is below it by PSS too.
-            if mem is None or proc.pid == self._own_pid or (mem.rss < self._min_process_bytes
-                                                            and proc.pid not in keep_pids):
+            if rss is None or pid == self._own_pid or (rss < self._min_process_bytes and pid not in keep_pids):
                 continue
-            found[proc.pid] = (proc, mem.rss)
-            started[proc.pid] = (proc.info["create_time"], mem.rss)
-        pss = self._sizes.sizes(started)
+            start = read_start(pid)
+            if start is not None:
+                found[pid] = (start, rss)
+        pss = self._sizes.sizes(found)
         processes = []
-        for pid, (proc, rss) in found.items():
+        for pid, (start, rss) in found.items():
             size, measure = (rss, "rss") if pss[pid] is None else (pss[pid], "pss")
-            # Names only for the listed processes: reading them all would dominate the scrape.
             if size >= self._min_process_bytes or pid in keep_pids:
-                processes.append(ProcessMemory(pid, _psutil_name(pid, proc), size, measure))
+                processes.append(ProcessMemory(pid, self._name(pid, start), size, measure))
+        self._names = {p.pid: self._names[p.pid] for p in processes}
         # used = total - available, so that used + free = total as on a GPU.
         return [DeviceMemory(HOST, "", "host", vm.total, vm.total - vm.available, vm.available, None,
                              tuple(processes))]
+
+    def _name(self, pid: int, start: int) -> str:
+        # psutil's name (the command line's where the kernel's is cut at 15 characters), once per process.
+        if self._names.get(pid, (None,))[0] != start:
+            self._names[pid] = (start, _psutil_name(pid))
+        return self._names[pid][1]
 
     def close(self) -> None:
         pass

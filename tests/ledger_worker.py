@@ -95,6 +95,9 @@ LOADING = {"message": "the model is still loading", "type": "server_error", "par
 def make_handler(loaded: list[LedgerWorker]):
     """Routes over the worker once loaded (loaded[0]); the worker's 503 answers before."""
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's and the worker's uvicorn,
+        disable_nagle_algorithm = True  # and TCP_NODELAY as theirs: a reply's parts are not held back
+
         def do_GET(self):
             path = urlparse(self.path).path
             if path == "/metrics":

@@ -1,6 +1,7 @@
 """The exporter as a real process, in host mode, beside real worker and foreign processes."""
 from __future__ import annotations
 
+import os
 import re
 import select
 import shutil
@@ -16,7 +17,7 @@ from kube_api import Clock
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.errors import ErrorLog
-from exporter.smaps import ProportionalSizes, read_pss
+from exporter.procfs import ProportionalSizes, read_pss, read_rss, read_start
 from exporter.sources import HostSource
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,7 +233,10 @@ def test_pss_is_reread_only_when_old_and_follows_rss_between(spawn):
     hold = spawn([PY, "-c", HOLD, "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert read_line(hold) == "ready"
     proc, clock = psutil.Process(hold.pid), Clock()
-    created, rss = proc.create_time(), proc.memory_info().rss
+    created, rss = read_start(hold.pid), read_rss(hold.pid)
+    # Read from /proc directly, as psutil reads them.
+    assert rss == proc.memory_info().rss
+    assert abs(psutil.boot_time() + created / os.sysconf("SC_CLK_TCK") - proc.create_time()) < 0.05
     sizes = ProportionalSizes(max_age=30, clock=clock)
     first = sizes.sizes({hold.pid: (created, rss)})[hold.pid]
     assert first == read_pss(hold.pid) and 64 * MiB <= first <= rss

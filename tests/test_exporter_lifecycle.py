@@ -64,7 +64,7 @@ def test_a_worker_restarted_under_a_running_exporter(spawn, tmp_path):  # noqa: 
              if " exporter.engines: " in line]
     assert len(lines) == 4, lines
     assert re.fullmatch(rf"vramledger {url}: serving \(\d+\.\d s after watching began\)", lines[0])
-    assert lines[1].startswith(f"vramledger {url}: unreachable: {url}/v1/memory: ConnectError")
+    assert lines[1].startswith(f"vramledger {url}: unreachable: {url}/v1/memory: ConnectionRefusedError")
     assert lines[2] == f"vramledger {url}: loading: {url}/v1/memory: 503 model_loading"
     away = float(re.fullmatch(rf"vramledger {url}: serving again after (\d+\.\d) s away", lines[3]).group(1))
     assert away >= 2  # at least its loading

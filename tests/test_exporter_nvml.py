@@ -5,7 +5,6 @@ import logging
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -25,6 +24,7 @@ from fake_pynvml import (
 from exporter.collector import ExporterCollector
 from exporter.engines import Engines, Status, VramledgerEngine
 from exporter.engines.base import Unreachable
+from exporter.engines.fetch import HttpClient
 from exporter.engines.vramledger import parse_ledger
 from exporter.errors import ErrorLog
 from exporter.processes import HostPidResolver
@@ -45,7 +45,7 @@ class LedgerEngine(VramledgerEngine):
     """Our adapter over a fixed ledger document, None = unreachable (its HTTP reads are tested over sockets)."""
 
     def __init__(self, url: str, doc: dict | None, errors: ErrorLog, resolver: HostPidResolver | None):
-        super().__init__(url, httpx.Client(), errors, resolver)
+        super().__init__(url, HttpClient(1), errors, resolver)
         self.doc = doc
 
     def read(self):

@@ -15,6 +15,7 @@ from test_exporter_vllm import RECORDED, start_tree
 
 from exporter.collector import ERRORS, GAUGES
 from exporter.engines import Engines, VramledgerEngine
+from exporter.engines.fetch import HttpClient
 from exporter.errors import ErrorLog
 
 
@@ -55,7 +56,7 @@ def test_a_worker_given_as_a_vllm_server_is_refused_naming_the_flag(spawn):  # n
 def test_a_vllm_server_that_comes_up_as_a_worker_later_is_wrong_and_counted(spawn, tmp_path):  # noqa: F811
     *_, vllm = start_tree(spawn, RECORDED.read_text(), tmp_path)
     errors = ErrorLog()
-    client = httpx.Client(timeout=5, trust_env=False)
+    client = HttpClient(5)
     engines = Engines([VramledgerEngine(vllm, client, errors)], errors, client)
     try:
         for _ in range(2):

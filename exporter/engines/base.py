@@ -44,7 +44,7 @@ class EngineState:
 class Status(str, Enum):
     """vramledger_worker_state{state}: where a watched engine is in its life."""
     SERVING = "serving"  # read as that kind of engine
-    LOADING = "loading"  # it answered 503: loading its model, draining, or otherwise not ready
+    LOADING = "loading"  # it answered 503: loading its model, or otherwise not ready
     UNREACHABLE = "unreachable"  # no answer within the timeout: down, starting, or no such server
     WRONG = "wrong"  # it answered, but not as that kind of engine (counted as an error)
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.engines.base import EngineInfo, EngineState, Wrong
-from exporter.engines.fetch import WrongStatus, fetch
+from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from exporter.errors import ErrorLog
 from exporter.processes import HostPidResolver
 
@@ -81,7 +80,7 @@ class VramledgerEngine:
     """
     kind, source = KIND, SOURCE
 
-    def __init__(self, url: str, client: httpx.Client, errors: ErrorLog,
+    def __init__(self, url: str, client: HttpClient, errors: ErrorLog,
                  resolver: HostPidResolver | None = None):
         self.url = url.rstrip("/")
         self._client = client
@@ -133,10 +132,8 @@ class VramledgerEngine:
         # version changes only with its process, so it is read once per pid.
         if pid not in self._versions:
             try:
-                response = self._client.get(self.url + "/metrics")
-                response.raise_for_status()
-                version = _info_version(response.text)
-            except (httpx.HTTPError, ValueError) as e:  # the ledger still counts: only the label is lost
+                version = _info_version(fetch(self._client, self.url + "/metrics").text)
+            except (NotServing, ValueError) as e:  # the ledger still counts: only the label is lost
                 log.debug("%s/metrics: no version: %s", self.url, e)
                 version = ""
             self._versions = {pid: version}

@@ -1,4 +1,6 @@
-"""Proportional set size (PSS) of host processes, from /proc/<pid>/smaps_rollup.
+"""Host processes' memory from /proc: each one's RSS and start time, read directly (psutil's
+objects cost several times more per process, and a host reader reads every process each scrape),
+and its proportional set size (PSS), from /proc/<pid>/smaps_rollup.
 
 RSS counts a page that n processes share (a library, a fork's copy-on-write pages, shared memory) n
 times, so the RSS of a host's processes adds up to more than the host uses; PSS counts 1/n of it in
@@ -9,9 +11,38 @@ stalest first and for at most `budget` seconds of each scrape; in between its PS
 """
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def pids(proc_root: str | Path = "/proc") -> Iterator[int]:
+    """Every process this pid namespace shows."""
+    with os.scandir(proc_root) as entries:
+        yield from (int(e.name) for e in entries if e.name.isdigit())
+
+
+def read_rss(pid: int, proc_root: str | Path = "/proc") -> int | None:
+    """Resident bytes (as psutil's memory_info().rss); None when the process is gone or hidden."""
+    try:
+        with open(f"{proc_root}/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def read_start(pid: int, proc_root: str | Path = "/proc") -> int | None:
+    """When the process started, in clock ticks since boot: with its pid, who it is (pids are reused)."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            text = f.read()
+        return int(text[text.rindex(b")") + 2:].split()[19])  # field 22, after "pid (comm)"
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def read_pss(pid: int, proc_root: str | Path = "/proc") -> int | None:
@@ -30,7 +61,7 @@ def read_pss(pid: int, proc_root: str | Path = "/proc") -> int | None:
 
 @dataclass(frozen=True)
 class _Reading:
-    created: float  # the process's start time: a reused pid is another process
+    started: int  # read_start(): a reused pid is another process
     pss: int | None
     rss: int  # RSS when PSS was read
     at: float
@@ -46,11 +77,11 @@ class ProportionalSizes:
         self._clock = clock
         self._known: dict[int, _Reading] = {}
 
-    def sizes(self, processes: dict[int, tuple[float, int]]) -> dict[int, int | None]:
-        """PSS of each process given as pid -> (start time, RSS now); None where it cannot be read."""
+    def sizes(self, processes: dict[int, tuple[int, int]]) -> dict[int, int | None]:
+        """PSS of each process given as pid -> (read_start(), RSS now); None where it cannot be read."""
         start = self._clock()
         self._known = {pid: r for pid, r in self._known.items()
-                       if pid in processes and r.created == processes[pid][0]}
+                       if pid in processes and r.started == processes[pid][0]}
         for pid in processes.keys() - self._known.keys():
             self._read(pid, *processes[pid])
         stale = sorted((r.at, pid) for pid, r in self._known.items() if start - r.at >= self._max_age)
@@ -60,8 +91,8 @@ class ProportionalSizes:
             self._read(pid, *processes[pid])
         return {pid: self._estimate(self._known[pid], processes[pid][1]) for pid in processes}
 
-    def _read(self, pid: int, created: float, rss: int) -> None:
-        self._known[pid] = _Reading(created, read_pss(pid, self._proc_root), rss, self._clock())
+    def _read(self, pid: int, started: int, rss: int) -> None:
+        self._known[pid] = _Reading(started, read_pss(pid, self._proc_root), rss, self._clock())
 
     @staticmethod
     def _estimate(reading: _Reading, rss: int) -> int | None:
