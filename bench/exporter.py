@@ -160,8 +160,8 @@ def main() -> None:
                         proc.terminate()
                         proc.wait(timeout=10)
                     series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
-                    results.setdefault(name, []).append((series, percentile(times, 0.5),
-                                                         percentile(times, 0.99), collect_mean_ms(text), cpu_ms))
+                    results.setdefault(name, []).append((series, percentile(times, 0.5), percentile(times, 0.99),
+                                                         collect_mean_ms(text), cpu_ms))
     finally:
         for proc in procs:  # a vLLM tree's children exit when its API server does (their stdin closes)
             if proc.poll() is None:
@@ -180,8 +180,8 @@ def main() -> None:
           f"{'CPU ms/scrape':>22}{'p99/target':>12}{'p99/peer':>10}")
     for name, runs in results.items():
         p99 = statistics.median(r[2] for r in runs)
-        print(f"{name:<46}{runs[0][0]:>7}" + "".join(f"{spread([r[i] for r in runs]):>22}" for i in (1, 2, 3, 4))
-              + f"{p99 / TARGET_MS:>12.2f}{p99 / peer_p99:>10.1f}")
+        columns = "".join(f"{spread([r[i] for r in runs]):>22}" for i in (1, 2, 3, 4))
+        print(f"{name:<46}{runs[0][0]:>7}{columns}{p99 / TARGET_MS:>12.2f}{p99 / peer_p99:>10.1f}")
     print(f"target: p99 < {TARGET_MS:.0f} ms (median p99/target < 1). CPU ms/scrape: the exporter process's "
           "CPU time over the measured scrapes, per scrape (the engines' own CPU not included)")
 

@@ -103,7 +103,8 @@ class ExporterCollector(Collector):
         for url, reading in read.items():
             gauges["vramledger_worker_up"].add_metric([url], int(reading.status is Status.SERVING))
             for status in Status:
-                gauges["vramledger_worker_state"].add_metric([url, status.value], int(reading.status is status))
+                gauges["vramledger_worker_state"].add_metric([url, status.value],
+                                                             int(reading.status is status))
             state = reading.state
             if state is None:
                 continue
@@ -156,8 +157,9 @@ class ExporterCollector(Collector):
                                                                                 w.unaccounted)
 
     def _errors_family(self) -> CounterMetricFamily:
-        family = CounterMetricFamily(ERRORS, "Errors while reading a source: the device (nvml, host), an engine "
-                                     "that answers wrong (worker, vllm), kubernetes, the exporter itself.",
+        family = CounterMetricFamily(ERRORS, "Errors while reading a source: the device (nvml, host), an "
+                                     "engine that answers wrong (worker, vllm), kubernetes, the exporter "
+                                     "itself.",
                                      labels=("source",))
         counts = dict.fromkeys(self._sources, 0) | self._errors.counts()
         for source, count in sorted(counts.items()):

@@ -1,9 +1,9 @@
 """--kubernetes: the engines of this node, found through the API before each scrape.
 
 It answers like exporter.engines.Engines (urls, sources, read(), close()), but its members change:
-a pod that appears gets an adapter, one that goes away loses it; both kinds are read together. A vLLM server's processes are the
-processes of its pod (their cgroups name it): the exporter cannot see a socket in the pod's network
-namespace, so finding them by port would fail.
+a pod that appears gets an adapter, one that goes away loses it; given and found engines are read
+together. A vLLM server's processes are the processes of its pod (their cgroups name it): the
+exporter cannot see a socket in the pod's network namespace, so finding them by port would fail.
 """
 from __future__ import annotations
 

@@ -106,7 +106,8 @@ def process_tree(pid: int) -> frozenset[int]:
         return frozenset([pid])
 
 
-TREE_MAX_AGE = 10.0  # seconds: a server's process tree is set once it serves; a child started later shows late
+# Seconds a process tree is kept: a server's is set once it serves; a child started later shows late.
+TREE_MAX_AGE = 10.0
 
 
 class PortLocator:
@@ -135,8 +136,9 @@ class PortLocator:
             self._tree, self._tree_at = process_tree(self._pid), self._clock()
         if not self._tree:
             self.forget()
-            raise NotFound(f"the given pid {self.explicit_pid} does not exist" if self.explicit_pid is not None
-                           else f"the process listening on {self.url} exited")
+            if self.explicit_pid is not None:
+                raise NotFound(f"the given pid {self.explicit_pid} does not exist")
+            raise NotFound(f"the process listening on {self.url} exited")
         return self._tree
 
     def forget(self) -> None:

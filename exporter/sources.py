@@ -170,8 +170,8 @@ class HostSource:
     """Reads host memory and the processes above a size threshold (for CPU workers).
 
     A process's memory is its PSS where /proc/<pid>/smaps_rollup can be read (so that pages shared
-    between processes count once, and the listed processes never add up to more than the host
-    uses), its RSS otherwise; each series says which (measure="pss" or "rss").
+    between processes count once in their sum), its RSS otherwise; each series says which
+    (measure="pss" or "rss").
     """
     name = "host"
 
@@ -189,7 +189,8 @@ class HostSource:
         for pid in pids():
             rss = read_rss(pid)  # None when the process exited meanwhile
             # RSS bounds PSS: a process below the threshold by RSS is below it by PSS too.
-            if rss is None or pid == self._own_pid or (rss < self._min_process_bytes and pid not in keep_pids):
+            small = rss is not None and rss < self._min_process_bytes and pid not in keep_pids
+            if rss is None or small or pid == self._own_pid:
                 continue
             start = read_start(pid)
             if start is not None:

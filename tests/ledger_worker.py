@@ -89,7 +89,8 @@ class LedgerWorker:
 
 
 INFO = b'vramledger_worker_info{model="ledger-worker",draft_model="",device="cpu",version="0.1.0"} 1.0\n'
-LOADING = {"message": "the model is still loading", "type": "server_error", "param": None, "code": "model_loading"}
+LOADING = {"message": "the model is still loading", "type": "server_error", "param": None,
+           "code": "model_loading"}
 
 
 def make_handler(loaded: list[LedgerWorker]):

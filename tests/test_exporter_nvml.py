@@ -42,7 +42,7 @@ def ledger_doc(pid: int, declared: int, container_id: str | None = None) -> dict
 
 
 class LedgerEngine(VramledgerEngine):
-    """Our adapter over a fixed ledger document, None = unreachable (its HTTP reads are tested over sockets)."""
+    """Our adapter over a fixed ledger document, None = unreachable (its HTTP reads: over sockets)."""
 
     def __init__(self, url: str, doc: dict | None, errors: ErrorLog, resolver: HostPidResolver | None):
         super().__init__(url, HttpClient(1), errors, resolver)

@@ -77,15 +77,18 @@ def test_killing_the_real_worker_marks_it_down(spawn, worker, tmp_path):  # noqa
     assert find(samples, "vramledger_worker_declared_memory_bytes") == []
 
 
-def test_a_real_worker_starting_under_the_exporter_is_loading_then_serving(spawn, checkpoints, tmp_path):  # noqa: F811
+def test_a_real_worker_starting_under_the_exporter_is_loading_then_serving(spawn, checkpoints,  # noqa: F811
+                                                                           tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "exporter.log"
-    _, exporter_port = start_exporter(spawn, log, "--backend", "host", "--worker", url, "--worker-timeout", "0.5")
+    _, exporter_port = start_exporter(spawn, log, "--backend", "host", "--worker", url, "--worker-timeout",
+                                      "0.5")
     seen: list[str] = []
     watch_states(exporter_port, url, "unreachable", seen)
-    proc = spawn([PY, "-m", "worker", "serve", "--model", checkpoints["llama"], "--no-draft", "--max-model-len",
-                  "128", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = spawn([PY, "-m", "worker", "serve", "--model", checkpoints["llama"], "--no-draft",
+                  "--max-model-len", "128", "--port", str(port)],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     watch_states(exporter_port, url, "serving", seen, timeout=180)
     # Starting: nothing listens while it imports, then 503 model_loading while it loads.
     assert seen == ["unreachable", "loading", "serving"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
 from exporter.engines.fetch import HttpClient
@@ -49,7 +49,7 @@ def read_one(engine: Engine) -> Reading:
 class _Watch:
     engine: Engine
     lifecycle: Lifecycle
-    pending: Future | None = field(default=None)  # its read still running from an earlier scrape
+    pending: Future | None = None  # its read, still running from an earlier scrape
 
 
 class Engines:
@@ -67,7 +67,7 @@ class Engines:
         self._client = client  # closed with the engines
         self.timeout = timeout
         self._watches: dict[str, _Watch] = {}
-        self.aliases: dict[str, str] = {}  # URL -> the URL it reaches the same processes as
+        self.aliases: set[str] = set()  # URLs that reach the same processes as a watched one
         self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="engine-read")
         for engine in engines:
             self.add(engine)
@@ -130,7 +130,7 @@ class Engines:
                 continue
             log.warning("%s reaches the same processes as %s: watching that server once, as %s", url, first,
                         first)
-            self.aliases[url] = first
+            self.aliases.add(url)
             self.remove(url)
             del readings[url]
         return readings
