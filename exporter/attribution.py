@@ -23,6 +23,7 @@ class ProcessRow:
     process: str
     owner: str
     worker: str
+    measure: str  # ProcessMemory.measure; for pid="other", each measure it sums, comma-separated
     bytes: int
 
 
@@ -78,8 +79,8 @@ def attribute(devices: Iterable[DeviceMemory], states: Mapping[str, EngineState]
         for url in dict.fromkeys(owner[p.pid] for p in workers):
             used_on.setdefault(url, []).append(dev)
             mine = [p for p in workers if owner[p.pid] == url]
-            out.processes.extend(ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, WORKER, url, p.bytes)
-                                 for p in mine if p.bytes is not None)
+            out.processes.extend(ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, WORKER, url, p.measure,
+                                            p.bytes) for p in mine if p.bytes is not None)
             observed = _sum(mine)
             if observed is not None:
                 declared = states[url].declared_on(dev)
@@ -106,10 +107,13 @@ def _declared_total(state: EngineState, used: list[DeviceMemory]) -> int | None:
 
 def _foreign_rows(dev: DeviceMemory, foreign: list[ProcessMemory], room: int) -> list[ProcessRow]:
     known = sorted((p for p in foreign if p.bytes is not None), key=lambda p: (-p.bytes, p.pid))
-    rows = [ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, FOREIGN, "", p.bytes) for p in known[:room]]
+    rows = [ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, FOREIGN, "", p.measure, p.bytes)
+            for p in known[:room]]
     if len(known) > room:  # bounded cardinality: the smallest are summed in one series
-        rest = sum(p.bytes for p in known[room:])
-        rows.append(ProcessRow(dev.device, dev.uuid, "other", "other", FOREIGN, "", rest))
+        rest = known[room:]
+        measures = ",".join(sorted({p.measure for p in rest}))
+        rows.append(ProcessRow(dev.device, dev.uuid, "other", "other", FOREIGN, "", measures,
+                               sum(p.bytes for p in rest)))
     return rows
 
 
@@ -119,5 +123,6 @@ def _sum(processes: Iterable[ProcessMemory]) -> int | None:
 
 
 def _minus(used: int, seen: int | None) -> int | None:
-    # Clamped: shared pages (host) or reserved memory (NVML v2) can make the processes exceed "used".
+    # Clamped: reserved memory (NVML v2), or RSS where a host process's PSS cannot be read, can make
+    # the processes exceed "used".
     return None if seen is None else max(0, used - seen)

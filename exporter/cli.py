@@ -14,12 +14,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from exporter.collector import ExporterCollector
 from exporter.discovery import DiscoveredEngines
-from exporter.engines import Engines, parse_vllm_arg
+from exporter.engines import Engines, base_url, parse_vllm_arg
 from exporter.errors import ErrorLog
 from exporter.kubernetes import PodDirectory
 from exporter.sources import SourceUnavailable, open_source
 
 log = logging.getLogger("exporter")
+STARTUP_WAIT = 2.0  # seconds the first read may delay the start, whatever --worker-timeout
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -59,11 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m exporter", description=(
         "vramledger sidecar: joins device memory with what each engine (vramledger, vLLM) declares."))
     p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="base URL of a vramledger worker, its GET /v1/memory read each scrape (repeatable)")
+                   help="base URL of a vramledger worker, its GET /v1/memory read each scrape (repeatable; "
+                        "an OpenAI base URL ending in /v1 means its server)")
     p.add_argument("--vllm", action="append", default=[], metavar="URL[=PID]", type=_vllm,
-                   help="base URL of a vLLM server whose /metrics is read each scrape (repeatable); its "
-                        "processes are found by the port it listens on, or from PID (its API server) when "
-                        "the exporter cannot see that socket (another network namespace)")
+                   help="base URL of a vLLM server whose /metrics is read each scrape (repeatable; an "
+                        "OpenAI base URL ending in /v1 means its server); its processes are found by the "
+                        "port it listens on, or from PID (its API server) when the exporter cannot see "
+                        "that socket (another network namespace)")
     p.add_argument("--kubernetes", action="store_true",
                    help="in a cluster: also watch the engines of this node (NODE_NAME) that the API "
                         "lists, by the pod label vramledger.io/engine (vramledger or vllm), and name each "
@@ -77,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-processes", type=_positive_int, default=32, metavar="N",
                    help="process series per device; smaller foreign ones are summed as pid=\"other\"")
     p.add_argument("--worker-timeout", type=_positive_float, default=1.0, metavar="SECONDS",
-                   help="timeout of each read of a worker or vLLM server (default 1.0)")
+                   help="how long a scrape waits for the workers and vLLM servers, read all at once "
+                        "(default 1.0); one that has not answered by then is unreachable for that scrape")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -85,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    vllm_urls = [text.rpartition("=")[0] if parse_vllm_arg(text)[1] else text for text in args.vllm]
+    for url in [*args.worker, *vllm_urls]:
+        if base_url(url) != url.rstrip("/"):
+            log.info("%s is an OpenAI API base URL: watching its server, %s", url, base_url(url))
     errors = ErrorLog()
     try:
         source = open_source(args.backend, errors, args.min_process_memory)
@@ -96,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         engines = Engines.open(args.worker, args.vllm, args.worker_timeout, errors)
     except ValueError as e:
         print(f"exporter: {e}", file=sys.stderr)
+        source.close()
+        return 2
+    try:
+        refuse_wrong_kinds(engines)
+    except ValueError as e:
+        print(f"exporter: {e}", file=sys.stderr)
+        engines.close()
         source.close()
         return 2
     pods = None
@@ -113,7 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     # Startup objects (imports, clients) never die: freezing them keeps full collections, and so
     # scrape latency spikes, small.
     gc.freeze()
-    server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
+    try:
+        server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
+    except OSError as e:  # in use, or an address this host does not have
+        print(f"exporter: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
+              "(another exporter there? choose another --port)", file=sys.stderr)
+        engines.close()
+        source.close()
+        return 2
     host, port = server.server_address[:2]
     if not engines.urls and pods is None:
         log.warning("no --worker or --vllm given: serving device metrics only")
@@ -128,3 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     engines.close()
     source.close()
     return 0
+
+
+def refuse_wrong_kinds(engines: Engines) -> None:
+    """A first read: a --worker that is a vLLM server (or the reverse) is refused, naming the right flag.
+
+    An engine that is down, or slower than STARTUP_WAIT, is not refused: it is watched, and says what
+    it is once it answers.
+    """
+    for reading in engines.read(min(engines.timeout, STARTUP_WAIT)).values():
+        if reading.wrong_kind:
+            raise ValueError(reading.reason)

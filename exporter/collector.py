@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from exporter.attribution import Attribution, attribute
-from exporter.engines import Engines, EngineState
+from exporter.engines import Engines, EngineState, Reading, Status
 from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
 from exporter.errors import ErrorLog
 from exporter.kubernetes import NO_POD, PodDirectory
@@ -24,14 +24,20 @@ GAUGES = {
     "vramledger_device_memory_used_bytes": ("Used memory of the device (host: total - available).", DEVICE),
     "vramledger_device_memory_reserved_bytes": ("Memory the driver reserves (NVML v2 only).", DEVICE),
     "vramledger_device_process_memory_bytes": (
-        "Memory of one process on the device; pid=\"other\" sums those beyond --max-processes.",
-        DEVICE + ("pid", "process", "owner", "worker")),
+        ("Memory of one process on the device; pid=\"other\" sums those beyond --max-processes. measure: "
+         "nvml (NVML's used GPU memory), pss (host: proportional set size, shared pages split among "
+         "their sharers) or rss (host, where PSS cannot be read)."),
+        DEVICE + ("pid", "process", "owner", "worker", "measure")),
     "vramledger_device_foreign_memory_bytes": ("Memory of the device's processes that are no watched worker.",
                                                DEVICE),
     "vramledger_device_unattributed_memory_bytes": (
         "Device used memory minus the memory of every process the reader can see.", DEVICE),
-    "vramledger_worker_up": ("1 when the worker (its ledger, or vLLM's /metrics) was read, else 0.",
+    "vramledger_worker_up": ("1 when the worker serves (its ledger, or vLLM's /metrics, was read), else 0.",
                              ("worker",)),
+    "vramledger_worker_state": (
+        ("1 for the worker's state, 0 for the others: serving; loading (it answered 503, as while it "
+         "loads its model); unreachable (no answer within --worker-timeout); wrong (an answer that is not "
+         "this kind of engine's, counted in vramledger_exporter_errors_total)."), ("worker", "state")),
     "vramledger_worker_info": ("The engine behind each worker URL: its kind, version and model.",
                                ("worker", "engine", "version", "model")),
     "vramledger_worker_kv_cache_usage_ratio": ("Fraction of the worker's KV cache in use.", ("worker",)),
@@ -86,17 +92,20 @@ class ExporterCollector(Collector):
         if self._pods is not None:
             doc, labels = GAUGES[PROCESS]
             gauges[PROCESS] = GaugeMetricFamily(PROCESS, doc, labels=labels + POD_LABELS)
-        read = self._guard(WORKER_SOURCE, self._engines.read, {})
-        states: dict[str, EngineState] = {url: state for url, state in read.items() if state is not None}
+        read: dict[str, Reading] = self._guard(WORKER_SOURCE, self._engines.read, {})
+        states: dict[str, EngineState] = {url: r.state for url, r in read.items() if r.state is not None}
         pids = frozenset(pid for state in states.values() for pid in state.pids)
         devices = self._guard(self._source.name, lambda: self._source.read(pids), [])
         joined = self._guard("exporter", lambda: attribute(devices, states, self._max_processes),
                              Attribution())
         self._add_devices(gauges, devices)
         self._add_attribution(gauges, joined, self._pod_labels)
-        for url in self._engines.urls:
-            state = states.get(url)
-            gauges["vramledger_worker_up"].add_metric([url], 0 if state is None else 1)
+        for url, reading in read.items():
+            gauges["vramledger_worker_up"].add_metric([url], int(reading.status is Status.SERVING))
+            for status in Status:
+                gauges["vramledger_worker_state"].add_metric([url, status.value],
+                                                             int(reading.status is status))
+            state = reading.state
             if state is None:
                 continue
             info = state.info
@@ -133,7 +142,7 @@ class ExporterCollector(Collector):
     @staticmethod
     def _add_attribution(gauges: dict[str, GaugeMetricFamily], joined: Attribution, pod_labels) -> None:
         for p in joined.processes:
-            labels = [p.device, p.uuid, p.pid, p.process, p.owner, p.worker, *pod_labels(p.pid)]
+            labels = [p.device, p.uuid, p.pid, p.process, p.owner, p.worker, p.measure, *pod_labels(p.pid)]
             gauges[PROCESS].add_metric(labels, p.bytes)
         for d in joined.devices:
             if d.foreign is not None:
@@ -148,7 +157,9 @@ class ExporterCollector(Collector):
                                                                                 w.unaccounted)
 
     def _errors_family(self) -> CounterMetricFamily:
-        family = CounterMetricFamily(ERRORS, "Errors while reading a source (nvml, host, worker, vllm).",
+        family = CounterMetricFamily(ERRORS, "Errors while reading a source: the device (nvml, host), an "
+                                     "engine that answers wrong (worker, vllm), kubernetes, the exporter "
+                                     "itself.",
                                      labels=("source",))
         counts = dict.fromkeys(self._sources, 0) | self._errors.counts()
         for source, count in sorted(counts.items()):

@@ -1,4 +1,4 @@
-"""Error accounting for the exporter: every error counted, each kind logged once."""
+"""Error accounting for the exporter: every error counted, each kind logged once, on one line."""
 from __future__ import annotations
 
 import logging
@@ -17,18 +17,27 @@ class ErrorLog:
 
     def record(self, source: str, kind: str, message: str) -> None:
         """An error: counted in vramledger_exporter_errors_total{source}, logged the first time."""
-        with self._lock:
-            self._counts[source] = self._counts.get(source, 0) + 1
+        self.count(source)
         self.note(source, kind, message)
 
+    def count(self, source: str) -> None:
+        """An error logged elsewhere (an engine's state change logs its own line): counted only."""
+        with self._lock:
+            self._counts[source] = self._counts.get(source, 0) + 1
+
     def note(self, source: str, kind: str, message: str) -> None:
-        """A fault another metric already reports (a worker down: vramledger_worker_up 0): logged once."""
+        """A fault that loses no series (a missing version label): logged once, not counted."""
         with self._lock:
             first = (source, kind) not in self._logged
             self._logged.add((source, kind))
         if first:
-            log.warning("%s error (%s): %s [logged once]", source, kind, message)
+            log.warning("%s error (%s): %s [logged once]", source, kind, one_line(message))
 
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+def one_line(text: str) -> str:
+    """A message as one log line: a multi-line error text (an API's body, say) folded."""
+    return " ".join(str(text).split())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -105,37 +106,45 @@ def process_tree(pid: int) -> frozenset[int]:
         return frozenset([pid])
 
 
+# Seconds a process tree is kept: a server's is set once it serves; a child started later shows late.
+TREE_MAX_AGE = 10.0
+
+
 class PortLocator:
     """The process tree serving a URL: found by its listening port, or from an explicit pid.
 
-    The listening pid is kept while that process lives, so a scrape does not scan every socket.
+    The listening pid is kept while that process lives, so a scrape does not scan every socket; its
+    tree is kept up to TREE_MAX_AGE seconds, so a scrape does not scan every process either.
     """
 
-    def __init__(self, url: str, pid: int | None = None):
+    def __init__(self, url: str, pid: int | None = None, clock=time.monotonic):
         self.url = url
         self.explicit_pid = pid
+        self._clock = clock
         self._pid: int | None = None
         self._created: float | None = None
+        self._tree: frozenset[int] = frozenset()
+        self._tree_at = float("-inf")
 
     def pids(self) -> frozenset[int]:
         """Every process of the server; raises NotFound with the reason when there is none."""
-        if self.explicit_pid is not None:
-            tree = process_tree(self.explicit_pid)
-            if not tree:
-                raise NotFound(f"the given pid {self.explicit_pid} does not exist")
-            return tree
         if self._pid is None or _create_time(self._pid) != self._created:  # gone, or the pid reused
-            self._pid = listening_pid(self.url)
+            self._pid = self.explicit_pid if self.explicit_pid is not None else listening_pid(self.url)
             self._created = _create_time(self._pid)
-        tree = process_tree(self._pid)
-        if not tree:
+            self._tree_at = float("-inf")
+        if self._clock() - self._tree_at >= TREE_MAX_AGE:
+            self._tree, self._tree_at = process_tree(self._pid), self._clock()
+        if not self._tree:
             self.forget()
+            if self.explicit_pid is not None:
+                raise NotFound(f"the given pid {self.explicit_pid} does not exist")
             raise NotFound(f"the process listening on {self.url} exited")
-        return tree
+        return self._tree
 
     def forget(self) -> None:
         """The server stopped answering: look for its process again at the next read."""
         self._pid = self._created = None
+        self._tree, self._tree_at = frozenset(), float("-inf")
 
 
 # --- by container pid (NSpid) -----------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Protocol
 import psutil
 
 from exporter.errors import ErrorLog
+from exporter.procfs import ProportionalSizes, pids, read_rss, read_start
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class ProcessMemory:
     pid: int
     name: str
     bytes: int | None
+    measure: str  # what bytes is: "nvml" (used GPU memory), "pss" or "rss" (host)
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ class NvmlSource:
             before = used.get(info.pid, 0)
             mem = info.usedGpuMemory
             used[info.pid] = None if before is None or mem is None else before + mem
-        return tuple(ProcessMemory(pid, self._process_name(pid), b) for pid, b in used.items())
+        return tuple(ProcessMemory(pid, self._process_name(pid), b, "nvml") for pid, b in used.items())
 
     def _process_name(self, pid: int) -> str:
         if pid not in self._names:
@@ -165,27 +167,50 @@ class NvmlSource:
 
 
 class HostSource:
-    """Reads host memory and the processes above a size threshold (for CPU workers)."""
+    """Reads host memory and the processes above a size threshold (for CPU workers).
+
+    A process's memory is its PSS where /proc/<pid>/smaps_rollup can be read (so that pages shared
+    between processes count once in their sum), its RSS otherwise; each series says which
+    (measure="pss" or "rss").
+    """
     name = "host"
 
-    def __init__(self, errors: ErrorLog, min_process_bytes: int = 64 * MiB):
+    def __init__(self, errors: ErrorLog, min_process_bytes: int = 64 * MiB,
+                 sizes: ProportionalSizes | None = None):
         self._errors = errors
         self._min_process_bytes = min_process_bytes
         self._own_pid = os.getpid()
+        self._sizes = sizes or ProportionalSizes()
+        self._names: dict[int, tuple[int, str]] = {}  # pid -> (start, name) of the listed processes
 
     def read(self, keep_pids: frozenset[int] = frozenset()) -> list[DeviceMemory]:
         vm = psutil.virtual_memory()
-        processes = []
-        # Names only for the kept processes: reading them all would dominate the scrape.
-        for proc in psutil.process_iter(["memory_info"]):
-            mem = proc.info["memory_info"]  # None when access is denied or the process is a zombie
-            if mem is None or proc.pid == self._own_pid:
+        found: dict[int, tuple[int, int]] = {}  # pid -> (start, RSS)
+        for pid in pids():
+            rss = read_rss(pid)  # None when the process exited meanwhile
+            # RSS bounds PSS: a process below the threshold by RSS is below it by PSS too.
+            small = rss is not None and rss < self._min_process_bytes and pid not in keep_pids
+            if rss is None or small or pid == self._own_pid:
                 continue
-            if mem.rss >= self._min_process_bytes or proc.pid in keep_pids:
-                processes.append(ProcessMemory(proc.pid, _psutil_name(proc.pid, proc), mem.rss))
+            start = read_start(pid)
+            if start is not None:
+                found[pid] = (start, rss)
+        pss = self._sizes.sizes(found)
+        processes = []
+        for pid, (start, rss) in found.items():
+            size, measure = (rss, "rss") if pss[pid] is None else (pss[pid], "pss")
+            if size >= self._min_process_bytes or pid in keep_pids:
+                processes.append(ProcessMemory(pid, self._name(pid, start), size, measure))
+        self._names = {p.pid: self._names[p.pid] for p in processes}
         # used = total - available, so that used + free = total as on a GPU.
         return [DeviceMemory(HOST, "", "host", vm.total, vm.total - vm.available, vm.available, None,
                              tuple(processes))]
+
+    def _name(self, pid: int, start: int) -> str:
+        # psutil's name (the command line's where the kernel's is cut at 15 characters), once per process.
+        if self._names.get(pid, (None,))[0] != start:
+            self._names[pid] = (start, _psutil_name(pid))
+        return self._names[pid][1]
 
     def close(self) -> None:
         pass

@@ -53,10 +53,11 @@ EXPORTER_METRICS = {
     "vramledger_device_memory_total_bytes": "gauge",  # {device, uuid}
     "vramledger_device_memory_used_bytes": "gauge",
     "vramledger_device_memory_reserved_bytes": "gauge",
-    "vramledger_device_process_memory_bytes": "gauge",  # {device, uuid, pid, process, owner, worker}
+    "vramledger_device_process_memory_bytes": "gauge",  # {device, uuid, pid, process, owner, worker, measure}
     "vramledger_device_foreign_memory_bytes": "gauge",
     "vramledger_device_unattributed_memory_bytes": "gauge",
     "vramledger_worker_up": "gauge",  # {worker}
+    "vramledger_worker_state": "gauge",  # {worker, state}: 1 for serving|loading|unreachable|wrong
     "vramledger_worker_info": "gauge",  # {worker, engine, version, model}: same name as the worker's own
     "vramledger_worker_kv_cache_usage_ratio": "gauge",  # {worker}
     "vramledger_worker_declared_memory_bytes": "gauge",  # {worker}

@@ -1,11 +1,15 @@
 """A stand-in worker for the exporter tests: a real process that holds memory and serves its ledger.
 
-    python tests/ledger_worker.py [--model-mib N] [--container-id ID]
+    python tests/ledger_worker.py [--model-mib N] [--container-id ID] [--port P] [--loading-seconds S]
 
 Allocates and touches N MiB (its "weights"), declares everything it holds at that point, prints
 "port <n>" once it listens on 127.0.0.1, and serves:
   GET  /v1/memory         the ledger (docs/ledger.md), device kind "cpu", live block from its RSS
+  GET  /health            {"status": "ok"}
+  GET  /metrics           vramledger_worker_info, as the worker serves it
   POST /test/hold?mib=N   test-only: allocate N MiB more that the ledger does not declare
+With --loading-seconds it listens first and "loads" (sleeps, then allocates) that long, answering
+as the worker does meanwhile: /health 503 {"status": "loading"}, /v1/memory 503 code "model_loading".
 Standard library only, so it starts fast and needs nothing from the project.
 """
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import json
 import os
 import socket
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
@@ -82,25 +87,45 @@ class LedgerWorker:
         return {"held_mib": sum(len(b) for b in self.undeclared) // MiB, "rss_bytes": rss_bytes()}
 
 
-def make_handler(worker: LedgerWorker):
+INFO = b'vramledger_worker_info{model="ledger-worker",draft_model="",device="cpu",version="0.1.0"} 1.0\n'
+LOADING = {"message": "the model is still loading", "type": "server_error", "param": None,
+           "code": "model_loading"}
+
+
+def make_handler(loaded: list[LedgerWorker]):
+    """Routes over the worker once loaded (loaded[0]); the worker's 503 answers before."""
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's and the worker's uvicorn,
+        disable_nagle_algorithm = True  # and TCP_NODELAY as theirs: a reply's parts are not held back
+
         def do_GET(self):
-            if urlparse(self.path).path == "/v1/memory":
-                self._json(200, worker.ledger())
+            path = urlparse(self.path).path
+            if path == "/metrics":
+                self._send(200, INFO, "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/health" and loaded:
+                self._json(200, {"status": "ok"})
+            elif path == "/health":
+                self._json(503, {"status": "loading", "error": LOADING})
+            elif path == "/v1/memory" and loaded:
+                self._json(200, loaded[0].ledger())
+            elif path == "/v1/memory":
+                self._json(503, {"error": LOADING})
             else:
                 self._json(404, {"error": "not found"})
 
         def do_POST(self):
             url = urlparse(self.path)
-            if url.path == "/test/hold":
-                self._json(200, worker.hold(int(parse_qs(url.query).get("mib", ["0"])[0])))
+            if url.path == "/test/hold" and loaded:
+                self._json(200, loaded[0].hold(int(parse_qs(url.query).get("mib", ["0"])[0])))
             else:
                 self._json(404, {"error": "not found"})
 
         def _json(self, status: int, body: dict):
-            data = json.dumps(body).encode()
+            self._send(status, json.dumps(body).encode(), "application/json")
+
+        def _send(self, status: int, data: bytes, kind: str):
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -115,9 +140,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-mib", type=int, default=64)
     p.add_argument("--container-id", default=None)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--loading-seconds", type=float, default=0.0)
     args = p.parse_args()
-    worker = LedgerWorker(args.model_mib, args.container_id)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(worker))
+    loaded: list[LedgerWorker] = []
+
+    def load() -> None:
+        time.sleep(args.loading_seconds)
+        loaded.append(LedgerWorker(args.model_mib, args.container_id))
+
+    if not args.loading_seconds:
+        load()
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(loaded))
+    if args.loading_seconds:
+        threading.Thread(target=load, daemon=True).start()
     print(f"port {server.server_address[1]}", flush=True)
     server.serve_forever()
 

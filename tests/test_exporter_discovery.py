@@ -13,7 +13,7 @@ from exporter.discovery import DiscoveredEngines, PodLocator
 from exporter.engines import Engines, VllmEngine
 from exporter.errors import ErrorLog
 from exporter.kubernetes import PodDirectory
-from exporter.processes import NotFound
+from exporter.processes import TREE_MAX_AGE, NotFound
 
 NODE = "gpu-node-1"
 UID = "7c1f5c5a-3b9e-4f8e-9d6c-2a1b0c9d8e7f"
@@ -39,9 +39,9 @@ def test_a_worker_found_through_the_api_is_read_like_a_given_one(api, worker):  
     api.pods.append(worker_pod(url))
     engines = discovered(api, clock, errors)
     try:
-        states = engines.read()
+        state = engines.read()[url].state
         assert engines.urls == [url]
-        assert states[url].pids == {proc.pid} and states[url].declared_bytes > 0
+        assert state.pids == {proc.pid} and state.declared_bytes > 0
         # The pod goes away: its adapter with it, once the list is refreshed.
         api.pods.clear()
         clock.now += 30
@@ -69,22 +69,33 @@ def test_adapters_follow_the_pods(api):
     engines = discovered(api, clock, errors)
     try:
         engines._update(engines._pods.engines())
-        [(uid, adapter)] = engines._found.values()
+        [uid] = engines._found.values()
+        [adapter] = engines._engines.engines
         assert isinstance(adapter, VllmEngine) and uid == UID and engines.urls == ["http://10.244.1.30:8000"]
         # Another pod takes the same IP and port: another adapter, for the new pod's processes.
         api.pods[:] = [pod("vllm-1", "inference", NODE, ip="10.244.1.30", labels={"vramledger.io/engine": "vllm"})]
         clock.now += 30
         engines._update(engines._pods.engines())
-        [(uid, _)] = engines._found.values()
-        assert uid == api.pods[0]["metadata"]["uid"]
+        [uid] = engines._found.values()
+        assert uid == api.pods[0]["metadata"]["uid"] and adapter not in engines._engines.engines
     finally:
         engines.close()
 
 
 def test_a_pods_processes_are_those_its_cgroups_name(tmp_path):
-    for pid, path in (("300", f"/kubepods/burstable/pod{UID}/{'a' * 64}"), ("301", "/system.slice/x.service")):
+    def process(pid: str, path: str) -> None:
         (tmp_path / pid).mkdir()
         (tmp_path / pid / "cgroup").write_text(f"0::{path}\n")
-    assert PodLocator(UID, "inference/vllm-0", tmp_path).pids() == {300}
+
+    process("300", f"/kubepods/burstable/pod{UID}/{'a' * 64}")
+    process("301", "/system.slice/x.service")
+    clock = Clock()
+    locator = PodLocator(UID, "inference/vllm-0", tmp_path, clock)
+    assert locator.pids() == {300}
+    # A scan reads every process's cgroup: the pod's processes are kept TREE_MAX_AGE seconds.
+    process("302", f"/kubepods/burstable/pod{UID}/{'b' * 64}")
+    assert locator.pids() == {300}
+    clock.now += TREE_MAX_AGE
+    assert locator.pids() == {300, 302}
     with pytest.raises(NotFound, match="inference/vllm-1"):
         PodLocator("0" * 32, "inference/vllm-1", tmp_path).pids()

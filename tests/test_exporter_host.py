@@ -1,6 +1,7 @@
 """The exporter as a real process, in host mode, beside real worker and foreign processes."""
 from __future__ import annotations
 
+import os
 import re
 import select
 import shutil
@@ -12,7 +13,12 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from kube_api import Clock
 from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.errors import ErrorLog
+from exporter.procfs import ProportionalSizes, read_pss, read_rss, read_start
+from exporter.sources import HostSource
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -95,12 +101,14 @@ def test_worker_and_foreign_processes(spawn, tmp_path):
     samples = scrape(port)
     [mine] = find(samples, "vramledger_device_process_memory_bytes", pid=str(worker.pid))
     assert mine.labels == {"device": "host", "uuid": "", "pid": str(worker.pid),
-                           "process": psutil.Process(worker.pid).name(), "owner": "worker", "worker": url}
+                           "process": psutil.Process(worker.pid).name(), "owner": "worker", "worker": url,
+                           "measure": "pss"}
     assert mine.value >= 64 * MiB
     assert one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host") == mine.value
     [theirs] = find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))
     assert theirs.labels == {"device": "host", "uuid": "", "pid": str(foreign.pid),
-                             "process": psutil.Process(foreign.pid).name(), "owner": "foreign", "worker": ""}
+                             "process": psutil.Process(foreign.pid).name(), "owner": "foreign", "worker": "",
+                             "measure": "pss"}
     assert theirs.value >= 512 * MiB
     assert one(samples, "vramledger_device_foreign_memory_bytes", device="host") >= theirs.value
     assert one(samples, "vramledger_worker_up", worker=url) == 1
@@ -196,3 +204,55 @@ def test_backend_auto_without_nvml_falls_back_to_the_host(spawn, tmp_path):
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "auto")
     assert "falling back to the host reader" in (tmp_path / "exporter.log").read_text()
     assert one(scrape(port), "vramledger_device_memory_total_bytes", device="host", uuid="") > 0
+
+
+# --- memory that adds up: PSS -----------------------------------------------------------------
+
+SHARE = ("import os, sys; b = bytearray(b'\\x01') * (256 << 20); child = os.fork()\n"
+         "if child == 0: sys.stdin.read(); os._exit(0)\n"
+         "print(child, flush=True); sys.stdin.read(); os.waitpid(child, 0)")
+
+
+def test_pages_two_processes_share_are_listed_once(spawn):
+    # 256 MiB written, then forked: parent and child map the same pages until one writes them.
+    parent = spawn([PY, "-c", SHARE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = int(read_line(parent))
+    pair = {parent.pid, child}
+    assert sum(psutil.Process(pid).memory_info().rss for pid in pair) >= 2 * 256 * MiB  # RSS: twice
+    [host] = HostSource(ErrorLog(), min_process_bytes=64 * MiB).read()
+    listed = {p.pid: p for p in host.processes}
+    assert {listed[pid].measure for pid in pair} == {"pss"}
+    assert 256 * MiB <= sum(listed[pid].bytes for pid in pair) <= 256 * MiB + 64 * MiB  # once, + 2 runtimes
+    # Every listed process counted by PSS: together they fit in what the host uses, and the rest of
+    # "used" (kernel, small processes) shows as unattributed.
+    assert {p.measure for p in host.processes} == {"pss"}
+    assert sum(p.bytes for p in host.processes) < host.used
+
+
+def test_pss_is_reread_only_when_old_and_follows_rss_between(spawn):
+    hold = spawn([PY, "-c", HOLD, "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert read_line(hold) == "ready"
+    proc, clock = psutil.Process(hold.pid), Clock()
+    created, rss = read_start(hold.pid), read_rss(hold.pid)
+    # Read from /proc directly, as psutil reads them.
+    assert rss == proc.memory_info().rss
+    assert abs(psutil.boot_time() + created / os.sysconf("SC_CLK_TCK") - proc.create_time()) < 0.05
+    sizes = ProportionalSizes(max_age=30, clock=clock)
+    first = sizes.sizes({hold.pid: (created, rss)})[hold.pid]
+    assert first == read_pss(hold.pid) and 64 * MiB <= first <= rss
+    # Within max_age: not read again, the RSS change carried over (as if 8 MiB more were mapped).
+    assert sizes.sizes({hold.pid: (created, rss + 8 * MiB)}) == {hold.pid: first + 8 * MiB}
+    assert sizes.sizes({hold.pid: (created, 1)}) == {hold.pid: 0}  # shrunk past what it shared: never below 0
+    clock.now += 30
+    assert sizes.sizes({hold.pid: (created, rss)}) == {hold.pid: read_pss(hold.pid)}  # read again
+    # Another process under the same pid (a reused pid) is read at once.
+    assert sizes.sizes({hold.pid: (created + 1, rss + 8 * MiB)}) == {hold.pid: read_pss(hold.pid)}
+
+
+def test_rss_where_pss_cannot_be_read(tmp_path, spawn):
+    hold = spawn([PY, "-c", HOLD, "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert read_line(hold) == "ready"
+    assert read_pss(hold.pid, tmp_path) is None  # no smaps_rollup there (an old kernel, or no access)
+    [host] = HostSource(ErrorLog(), 64 * MiB, ProportionalSizes(proc_root=tmp_path)).read()
+    [mine] = [p for p in host.processes if p.pid == hold.pid]
+    assert mine.measure == "rss" and mine.bytes >= 64 * MiB

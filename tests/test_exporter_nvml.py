@@ -5,7 +5,6 @@ import logging
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -23,7 +22,9 @@ from fake_pynvml import (
 )
 
 from exporter.collector import ExporterCollector
-from exporter.engines import Engines, VramledgerEngine
+from exporter.engines import Engines, Status, VramledgerEngine
+from exporter.engines.base import Unreachable
+from exporter.engines.fetch import HttpClient
 from exporter.engines.vramledger import parse_ledger
 from exporter.errors import ErrorLog
 from exporter.processes import HostPidResolver
@@ -41,14 +42,16 @@ def ledger_doc(pid: int, declared: int, container_id: str | None = None) -> dict
 
 
 class LedgerEngine(VramledgerEngine):
-    """Our adapter over a fixed ledger document, None = down (its HTTP reads are tested over sockets)."""
+    """Our adapter over a fixed ledger document, None = unreachable (its HTTP reads: over sockets)."""
 
     def __init__(self, url: str, doc: dict | None, errors: ErrorLog, resolver: HostPidResolver | None):
-        super().__init__(url, httpx.Client(), errors, resolver)
+        super().__init__(url, HttpClient(1), errors, resolver)
         self.doc = doc
 
     def read(self):
-        return None if self.doc is None else self.state(parse_ledger(self.url, self.doc))
+        if self.doc is None:
+            raise Unreachable(f"{self.url}: down")
+        return self.state(parse_ledger(self.url, self.doc))
 
 
 def exporter(monkeypatch, gpus, docs, max_processes=32, resolver=None, engines=()):
@@ -91,12 +94,17 @@ def device(dev, uuid, total, used, reserved=None, foreign=None, unattributed=Non
 
 def process(dev, uuid, pid, name, value, worker=""):
     return [m("device_process_memory_bytes", value, device=dev, uuid=uuid, pid=str(pid), process=name,
-              owner="worker" if worker else "foreign", worker=worker)]
+              owner="worker" if worker else "foreign", worker=worker, measure="nvml")]
+
+
+def state(url: str, now: str) -> list:
+    """vramledger_worker_state: 1 for the engine's state, 0 for each other."""
+    return [m("worker_state", int(s.value == now), worker=url, state=s.value) for s in Status]
 
 
 def worker(url, declared, up=1, observed=None, engine="vramledger", version="", model="", kv=None):
     """A worker's series; declared None = declares nothing (then no unaccounted either)."""
-    out = [m("worker_up", up, worker=url)]
+    out = [m("worker_up", up, worker=url), *state(url, "serving" if up else "unreachable")]
     if up:
         out.append(m("worker_info", 1, worker=url, engine=engine, version=version, model=model))
     if up and declared is not None:
@@ -244,8 +252,7 @@ def test_driver_without_memory_v2_reports_no_reserved(monkeypatch):
 def test_exited_process_series_disappear(monkeypatch):
     gpu = FakeGpu("GPU-0", allocated=30 * GiB, processes=[proc(4242, "python3", 20), proc(999, "trainer", 8)])
     registry, _ = exporter(monkeypatch, [gpu], {WORKER: ledger_doc(4242, 20 * GiB)})
-    assert m("device_process_memory_bytes", 0, device="0", uuid="GPU-0", pid="999", process="trainer",
-             owner="foreign", worker="")[0] in scrape(registry)[0]
+    assert process("0", "GPU-0", 999, "trainer", 0)[0][0] in scrape(registry)[0]
     gpu.processes.pop()
     gpu.allocated = 22 * GiB
     values, _ = scrape(registry)

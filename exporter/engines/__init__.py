@@ -1,76 +1,143 @@
 """The watched engines, one adapter module per kind (base.py has the interface), read in parallel."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
-import httpx
-
-from exporter.engines.base import Engine, EngineInfo, EngineState
+from exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
+from exporter.engines.fetch import HttpClient
+from exporter.engines.lifecycle import Lifecycle, Reading
 from exporter.engines.vllm import VllmEngine
 from exporter.engines.vramledger import VramledgerEngine
 from exporter.errors import ErrorLog
 from exporter.processes import PortLocator
 
-__all__ = ["Engine", "EngineInfo", "EngineState", "Engines", "VllmEngine", "VramledgerEngine",
-           "parse_vllm_arg"]
+__all__ = ["Engine", "EngineInfo", "EngineState", "Engines", "Reading", "Status", "VllmEngine",
+           "VramledgerEngine", "base_url", "parse_vllm_arg"]
+
+log = logging.getLogger(__name__)
+MAX_THREADS = 64  # one read in flight per engine at most; beyond this many engines reads queue
+
+
+def base_url(url: str) -> str:
+    """The server's base URL: an OpenAI API base (".../v1", as clients are configured) means its server."""
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def parse_vllm_arg(text: str) -> tuple[str, int | None]:
     """--vllm URL, or URL=PID when the exporter cannot find the server's process by its port."""
     url, sep, pid = text.rpartition("=")
     if not sep or "/" in pid or not pid.strip().isdigit():
-        return text.rstrip("/"), None
+        return base_url(text), None
     if int(pid) <= 0:
         raise ValueError(f"bad pid in {text!r}")
-    return url.rstrip("/"), int(pid)
+    return base_url(url), int(pid)
 
 
-def read_guarded(engine: Engine, errors: ErrorLog) -> EngineState | None:
-    """engine.read(), with any fault counted under its source rather than raised."""
+def read_one(engine: Engine) -> Reading:
+    """engine.read() as a Reading; an adapter's own fault is a wrong reading, never raised."""
     try:
-        return engine.read()
+        return Reading(Status.SERVING, engine.read())
+    except NotServing as e:
+        return Reading(e.status, reason=str(e), wrong_kind=isinstance(e, Wrong) and e.wrong_kind)
     except Exception as e:  # noqa: BLE001 - one adapter's bug must not hide the other engines
-        errors.record(engine.source, type(e).__name__, f"{engine.url}: {type(e).__name__}: {e}")
-        return None
+        return Reading(Status.WRONG, reason=f"exporter fault reading {engine.url}: {type(e).__name__}: {e}")
+
+
+@dataclass
+class _Watch:
+    engine: Engine
+    lifecycle: Lifecycle
+    pending: Future | None = None  # its read, still running from an earlier scrape
 
 
 class Engines:
-    """Every watched engine; read() asks them all at once, so one slow server costs one timeout."""
+    """Every watched engine: read() asks them all at once and waits one timeout at most, so a scrape
+    costs about the slowest engine's answer, whatever their number. Each engine's status is followed
+    (one log line per change); only wrong answers count as errors."""
 
-    def __init__(self, engines: list[Engine], errors: ErrorLog, client: httpx.Client | None = None):
+    def __init__(self, engines: list[Engine], errors: ErrorLog, client: HttpClient | None = None,
+                 timeout: float = 1.0):
         urls = [e.url for e in engines]
         duplicates = sorted({url for url in urls if urls.count(url) > 1})
         if duplicates:
             raise ValueError(f"watched twice: {', '.join(duplicates)}")
-        self.engines = engines
-        self.urls = urls
-        self.sources = tuple(dict.fromkeys(e.source for e in engines))
         self._errors = errors
         self._client = client  # closed with the engines
-        self._pool = ThreadPoolExecutor(min(len(engines), 16)) if len(engines) > 1 else None
+        self.timeout = timeout
+        self._watches: dict[str, _Watch] = {}
+        self.aliases: set[str] = set()  # URLs that reach the same processes as a watched one
+        self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="engine-read")
+        for engine in engines:
+            self.add(engine)
+        self.sources = tuple(dict.fromkeys(e.source for e in engines))
 
     @classmethod
     def open(cls, workers: list[str], vllms: list[str], timeout: float, errors: ErrorLog) -> Engines:
-        # trust_env=False: a proxy from the environment must not sit between the exporter and its engines.
-        client = httpx.Client(timeout=timeout, trust_env=False)
-        engines: list[Engine] = [VramledgerEngine(url, client, errors) for url in workers]
+        client = HttpClient(timeout)
+        engines: list[Engine] = [VramledgerEngine(base_url(url), client, errors) for url in workers]
         for url, pid in map(parse_vllm_arg, vllms):
             engines.append(VllmEngine(url, client, errors, PortLocator(url, pid)))
-        return cls(engines, errors, client)
+        return cls(engines, errors, client, timeout)
 
-    def read(self) -> dict[str, EngineState | None]:
-        """Each engine's state now, by URL; None for those down or unreadable."""
-        states = map(self._read_one, self.engines) if self._pool is None else self._pool.map(
-            self._read_one, self.engines)
-        return dict(zip(self.urls, states))
+    @property
+    def urls(self) -> list[str]:
+        return list(self._watches)
 
-    def _read_one(self, engine: Engine) -> EngineState | None:
-        return read_guarded(engine, self._errors)
+    @property
+    def engines(self) -> list[Engine]:
+        return [w.engine for w in self._watches.values()]
+
+    def add(self, engine: Engine) -> None:
+        """Watch one more engine (one the API lists, say); an alias of a watched one is not watched."""
+        if engine.url not in self.aliases:
+            self._watches[engine.url] = _Watch(engine, Lifecycle(engine.kind, engine.url))
+
+    def remove(self, url: str) -> None:
+        watch = self._watches.pop(url, None)
+        if watch is not None:
+            watch.engine.close()
+
+    def read(self, wait_s: float | None = None) -> dict[str, Reading]:
+        """Each engine's reading now, by URL, after waiting at most wait_s (default: the timeout)."""
+        wait_s = self.timeout if wait_s is None else wait_s
+        for watch in self._watches.values():
+            if watch.pending is None:
+                watch.pending = self._pool.submit(read_one, watch.engine)
+        wait([w.pending for w in self._watches.values()], timeout=wait_s)
+        readings: dict[str, Reading] = {}
+        for url, watch in self._watches.items():
+            if watch.pending.done():
+                reading, watch.pending = watch.pending.result(), None
+            else:  # left running: the next scrape takes its answer rather than asking again
+                reading = Reading(Status.UNREACHABLE, reason=f"{url}: no answer within {wait_s:g} s")
+            watch.lifecycle.update(reading)
+            if reading.status is Status.WRONG:
+                self._errors.count(watch.engine.source)
+            readings[url] = reading
+        return self._without_aliases(readings)
+
+    def _without_aliases(self, readings: dict[str, Reading]) -> dict[str, Reading]:
+        # Two URLs of one server (127.0.0.1 and localhost, say) would publish its memory twice, and
+        # one of them with no process of its own: the later URL is dropped, once, saying so.
+        owner: dict[int, str] = {}
+        for url, reading in list(readings.items()):
+            pids = reading.state.pids if reading.state is not None else frozenset()
+            first = next((owner[pid] for pid in pids if pid in owner), None)
+            if first is None:
+                owner.update(dict.fromkeys(pids, url))
+                continue
+            log.warning("%s reaches the same processes as %s: watching that server once, as %s", url, first,
+                        first)
+            self.aliases.add(url)
+            self.remove(url)
+            del readings[url]
+        return readings
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-        for engine in self.engines:
-            engine.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for watch in self._watches.values():
+            watch.engine.close()
         if self._client is not None:
             self._client.close()

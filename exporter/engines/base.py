@@ -2,12 +2,14 @@
 
 An adapter reads one server per scrape and answers an EngineState: the host pids of its processes,
 what it declares (a fixed number of bytes, or a share of each device it uses), its KV cache usage
-and its identity. SGLang or TGI would be one more module beside vramledger.py and vllm.py.
+and its identity; or it raises NotServing, saying which of the other lifecycle states the server is
+in and why. SGLang or TGI would be one more module beside vramledger.py and vllm.py.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from exporter.sources import HOST, DeviceMemory
@@ -39,14 +41,43 @@ class EngineState:
         return None
 
 
+class Status(str, Enum):
+    """vramledger_worker_state{state}: where a watched engine is in its life."""
+    SERVING = "serving"  # read as that kind of engine
+    LOADING = "loading"  # it answered 503: loading its model, or otherwise not ready
+    UNREACHABLE = "unreachable"  # no answer within the timeout: down, starting, or no such server
+    WRONG = "wrong"  # it answered, but not as that kind of engine (counted as an error)
+
+
+class NotServing(Exception):
+    """The engine is not serving now: `status` says in which other state, the message why."""
+    status: Status
+
+
+class Loading(NotServing):
+    status = Status.LOADING
+
+
+class Unreachable(NotServing):
+    status = Status.UNREACHABLE
+
+
+class Wrong(NotServing):
+    status = Status.WRONG
+
+    def __init__(self, message: str, wrong_kind: bool = False):
+        super().__init__(message)
+        self.wrong_kind = wrong_kind  # another kind of engine: the message names the flag to use
+
+
 class Engine(Protocol):
     """One watched server: read() is called once per scrape, from a worker thread."""
     url: str
     kind: str  # vramledger_worker_info{engine}
     source: str  # vramledger_exporter_errors_total{source} of its faults
 
-    def read(self) -> EngineState | None:
-        """The server now; None when it is down or unreadable (counted and logged by the adapter)."""
+    def read(self) -> EngineState:
+        """The server now, when it serves; raises NotServing otherwise."""
         ...
 
     def close(self) -> None: ...

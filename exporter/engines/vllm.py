@@ -9,16 +9,21 @@ its VLLM_CPU_KVCACHE_SPACE that way, and a share of the host is no budget anyway
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
-from exporter.engines.base import EngineInfo, EngineState
+from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from exporter.engines.fetch import HttpClient, fetch
 from exporter.errors import ErrorLog
 from exporter.processes import Locator, NotFound, PortLocator
 
 KIND = "vllm"
 SOURCE = "vllm"
+# The only series read; a vLLM /metrics is ~60 KB, mostly histograms, so the other lines are skipped
+# unparsed (found with bytes.find rather than split: a tenth of the cost).
+CONFIG, KV_USAGE = "vllm:cache_config_info", "vllm:kv_cache_usage_perc"
 
 
 @dataclass(frozen=True)
@@ -30,11 +35,6 @@ class VllmMetrics:
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     kv_usage: float | None = None
-    requests_running: float | None = None
-    requests_waiting: float | None = None
-    spec_decode_drafts: float | None = None
-    spec_decode_draft_tokens: float | None = None
-    spec_decode_accepted_tokens: float | None = None
 
     @property
     def declared_share(self) -> float | None:
@@ -44,45 +44,54 @@ class VllmMetrics:
         return self.gpu_memory_utilization
 
 
-def parse_metrics(text: str) -> VllmMetrics:
-    """Parses a vLLM /metrics text (with prometheus_client's parser); series vLLM lacks stay None.
+def sample_lines(text: bytes, names: tuple[str, ...]) -> list[str]:
+    """The sample lines of the named series in a Prometheus text, without splitting all of it."""
+    text = b"\n" + text
+    found = []
+    for name in names:
+        start_of = b"\n" + name.encode()
+        start = text.find(start_of)
+        while start >= 0:
+            end = text.find(b"\n", start + 1)
+            line = text[start + 1:None if end < 0 else end]
+            if line[len(start_of) - 1:len(start_of)] in (b"{", b" "):  # not a longer name
+                found.append(line.decode("utf-8", "replace"))
+            start = text.find(start_of, start + 1)
+    return found
 
-    A data-parallel server serves one series per engine: counts are summed, and its KV usage is
-    the fullest engine's (the one that queues first).
+
+def parse_metrics(text: bytes | str) -> VllmMetrics:
+    """The series the exporter uses from a vLLM /metrics text; raises ValueError when it has none.
+
+    A data-parallel server serves one series per engine: its KV usage is the fullest engine's (the
+    one that queues first).
     """
-    sums: dict[str, float] = {}
+    lines = sample_lines(text.encode() if isinstance(text, str) else text, (CONFIG, KV_USAGE))
     kv: list[float] = []
     config: dict[str, str] = {}
     model = ""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
+    for line in lines:
+        for sample in _samples(line):
             model = model or sample.labels.get("model_name", "")
-            if sample.name == "vllm:cache_config_info":
+            if sample.name == CONFIG:
                 config = sample.labels
-            elif sample.name == "vllm:kv_cache_usage_perc":
+            elif sample.name == KV_USAGE:
                 kv.append(sample.value)
-            elif sample.name in _SUMMED:
-                sums[_SUMMED[sample.name]] = sums.get(_SUMMED[sample.name], 0.0) + sample.value
     if not config:
-        raise ValueError("no vllm:cache_config_info series: not a vLLM server's /metrics")
+        raise ValueError(f"no {CONFIG} series: not a vLLM server's /metrics")
     return VllmMetrics(
         model=model,
         gpu_memory_utilization=_number(config.get("gpu_memory_utilization"), float),
         kv_cache_memory_bytes=_number(config.get("kv_cache_memory_bytes"), int),
         num_gpu_blocks=_number(config.get("num_gpu_blocks"), int),
         block_size=_number(config.get("block_size"), int),
-        kv_usage=max(kv, default=None),
-        **sums)
+        kv_usage=max(kv, default=None))
 
 
-# vLLM series -> VllmMetrics field (counters appear with their _total sample name).
-_SUMMED = {
-    "vllm:num_requests_running": "requests_running",
-    "vllm:num_requests_waiting": "requests_waiting",
-    "vllm:spec_decode_num_drafts_total": "spec_decode_drafts",
-    "vllm:spec_decode_num_draft_tokens_total": "spec_decode_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens_total": "spec_decode_accepted_tokens",
-}
+@lru_cache(maxsize=1024)
+def _samples(line: str) -> tuple[Sample, ...]:
+    # Parsed once while unchanged: the config line never changes while a server runs.
+    return tuple(s for family in text_string_to_metric_families(line + "\n") for s in family.samples)
 
 
 def _number(text: str | None, kind):
@@ -97,24 +106,26 @@ def _number(text: str | None, kind):
 class VllmEngine:
     """Reads one vLLM server each scrape: GET /metrics, and its processes by port (or a given pid).
 
-    A server that does not answer is vramledger_worker_up 0 (logged once, not counted); garbage, or
-    processes that cannot be found, count in vramledger_exporter_errors_total{source="vllm"}.
+    A server that is not serving says why through NotServing (a vLLM that is still loading does not
+    accept connections yet: unreachable). Processes that cannot be found are counted in
+    vramledger_exporter_errors_total{source="vllm"}: the server serves, the exporter cannot see it.
     """
     kind, source = KIND, SOURCE
 
-    def __init__(self, url: str, client: httpx.Client, errors: ErrorLog, locator: Locator | None = None):
+    def __init__(self, url: str, client: HttpClient, errors: ErrorLog, locator: Locator | None = None):
         self.url = url.rstrip("/")
         self._client = client
         self._errors = errors
         self._locator = locator or PortLocator(self.url)
         self._version: str | None = None
 
-    def read(self) -> EngineState | None:
-        metrics = self.read_metrics()
-        if metrics is None:
+    def read(self) -> EngineState:
+        try:
+            metrics = self.read_metrics()
+        except NotServing:
             self._locator.forget()
             self._version = None  # a restarted server may be another version
-            return None
+            raise
         try:
             pids = self._locator.pids()
         except (NotFound, ValueError) as e:
@@ -123,18 +134,17 @@ class VllmEngine:
         return EngineState(pids, EngineInfo(KIND, self._read_version(), metrics.model), metrics.kv_usage,
                            declared_share=metrics.declared_share)
 
-    def read_metrics(self) -> VllmMetrics | None:
+    def read_metrics(self) -> VllmMetrics:
+        """GET /metrics, parsed; raises NotServing."""
+        text = fetch(self._client, self.url + "/metrics").content
         try:
-            response = self._client.get(self.url + "/metrics")
-            response.raise_for_status()
-            return parse_metrics(response.text)
-        except httpx.HTTPStatusError as e:
-            self._fail(f"http_{e.response.status_code}", e, count=True)
-        except (httpx.TimeoutException, httpx.TransportError) as e:  # down: vramledger_worker_up 0 says it
-            self._fail("timeout" if isinstance(e, httpx.TimeoutException) else "unreachable", e, count=False)
-        except (httpx.HTTPError, ValueError) as e:  # not a Prometheus text
-            self._fail("invalid_metrics", e, count=True)
-        return None
+            return parse_metrics(text)
+        except ValueError as e:
+            if b"vramledger_worker_info" in text:
+                raise Wrong(f"{self.url} is a vramledger worker, not a vLLM server: watch it with --worker "
+                            f"{self.url} (in a cluster: pod label vramledger.io/engine: vramledger)",
+                            wrong_kind=True) from None
+            raise Wrong(f"{self.url}/metrics: {e}") from None
 
     def close(self) -> None:
         pass
@@ -142,14 +152,8 @@ class VllmEngine:
     def _read_version(self) -> str:
         if self._version is None:  # GET /version: {"version": "0.32.0"}, read once per server run
             try:
-                response = self._client.get(self.url + "/version")
-                response.raise_for_status()
-                self._version = str(response.json().get("version", ""))
-            except (httpx.HTTPError, ValueError, AttributeError) as e:  # only the label is lost
+                self._version = str(fetch(self._client, self.url + "/version").json().get("version", ""))
+            except (NotServing, ValueError, AttributeError) as e:  # only the label is lost
                 self._errors.note(SOURCE, f"no_version {self.url}", f"{self.url}/version: {e}")
                 self._version = ""
         return self._version
-
-    def _fail(self, kind: str, error: Exception, count: bool) -> None:
-        report = self._errors.record if count else self._errors.note
-        report(SOURCE, f"{kind} {self.url}", f"{self.url}/metrics: {type(error).__name__}: {error}")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.engines.base import EngineInfo, EngineState
+from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from exporter.errors import ErrorLog
 from exporter.processes import HostPidResolver
 
@@ -75,13 +75,12 @@ def _is_int(value: object) -> bool:
 class VramledgerEngine:
     """Reads one worker's ledger each scrape; its version once per worker process (from /metrics).
 
-    Garbage (an HTTP error status, invalid JSON, a document that is no ledger) counts in
-    vramledger_exporter_errors_total{source="worker"}; a worker that is down or too slow only
-    shows as vramledger_worker_up 0. Both are logged once per worker and kind.
+    A ledger that cannot be read says why through NotServing: a 503 while the worker loads, no answer
+    while it is down, anything but a ledger (a vLLM server, say) is wrong.
     """
     kind, source = KIND, SOURCE
 
-    def __init__(self, url: str, client: httpx.Client, errors: ErrorLog,
+    def __init__(self, url: str, client: HttpClient, errors: ErrorLog,
                  resolver: HostPidResolver | None = None):
         self.url = url.rstrip("/")
         self._client = client
@@ -89,9 +88,9 @@ class VramledgerEngine:
         self._resolver = resolver or HostPidResolver()
         self._versions: dict[int, str] = {}  # worker pid -> its version
 
-    def read(self) -> EngineState | None:
+    def read(self) -> EngineState:
         ledger = self.read_ledger()
-        return None if ledger is None else self.state(ledger, self._version(ledger.pid))
+        return self.state(ledger, self._version(ledger.pid))
 
     def state(self, ledger: WorkerLedger, version: str = "") -> EngineState:
         """The engine state a ledger tells: its host pid, declared bytes, KV usage and model."""
@@ -104,41 +103,41 @@ class VramledgerEngine:
         return EngineState(frozenset() if pid is None else frozenset([pid]), info, ledger.kv_usage,
                            declared_bytes=ledger.declared_bytes)
 
-    def read_ledger(self) -> WorkerLedger | None:
+    def read_ledger(self) -> WorkerLedger:
+        """GET /v1/memory, parsed; raises NotServing."""
         try:
-            response = self._client.get(self.url + "/v1/memory")
-            response.raise_for_status()
+            response = fetch(self._client, self.url + "/v1/memory")
             return parse_ledger(self.url, response.json())
-        except httpx.HTTPStatusError as e:
-            self._fail(f"http_{e.response.status_code}", e, count=True)
-        except (httpx.TimeoutException, httpx.TransportError) as e:
-            # A worker that is down is what vramledger_worker_up 0 says; counting it as an exporter
-            # error too would page twice for one fault.
-            self._fail("timeout" if isinstance(e, httpx.TimeoutException) else "unreachable", e, count=False)
-        except (httpx.HTTPError, ValueError) as e:  # invalid JSON or ledger: an error, not a crash
-            self._fail("invalid_ledger", e, count=True)
-        return None
+        except WrongStatus as e:
+            raise self._vllm_instead() or e from None
+        except ValueError as e:  # invalid JSON or ledger
+            raise self._vllm_instead() or Wrong(f"{self.url}/v1/memory: not a ledger: {e}") from None
 
     def close(self) -> None:
         pass
+
+    def _vllm_instead(self) -> Wrong | None:
+        """A vLLM server watched as a worker (it has no /v1/memory): the error names the right flag."""
+        try:
+            text = fetch(self._client, self.url + "/metrics").text
+        except Exception:  # noqa: BLE001 - only the hint is lost
+            return None
+        if "vllm:cache_config_info" not in text:
+            return None
+        return Wrong(f"{self.url} is a vLLM server, not a vramledger worker: watch it with --vllm {self.url} "
+                     "(in a cluster: pod label vramledger.io/engine: vllm)", wrong_kind=True)
 
     def _version(self, pid: int) -> str:
         # The ledger carries no version; the worker's own vramledger_worker_info does. A worker's
         # version changes only with its process, so it is read once per pid.
         if pid not in self._versions:
             try:
-                response = self._client.get(self.url + "/metrics")
-                response.raise_for_status()
-                version = _info_version(response.text)
-            except (httpx.HTTPError, ValueError) as e:  # the ledger still counts: only the label is lost
+                version = _info_version(fetch(self._client, self.url + "/metrics").text)
+            except (NotServing, ValueError) as e:  # the ledger still counts: only the label is lost
                 log.debug("%s/metrics: no version: %s", self.url, e)
                 version = ""
             self._versions = {pid: version}
         return self._versions[pid]
-
-    def _fail(self, kind: str, error: Exception, count: bool) -> None:
-        report = self._errors.record if count else self._errors.note
-        report(SOURCE, f"{kind} {self.url}", f"{self.url}/v1/memory: {type(error).__name__}: {error}")
 
 
 def _info_version(text: str) -> str:
