@@ -15,7 +15,8 @@ from test_device import FakeCuda, props, two_gpus
 from torch import nn
 
 from vramledger.identity import container_id_from
-from worker.memory.device import CpuDevice, CudaDevice, ProcessMemory
+from vramledger.processes import ProcessMemory
+from worker.memory.device import CpuDevice, CudaDevice
 from worker.memory.ledger import Ledger, format_table, plot, summary_line
 from worker.memory.profiler import (
     MemorySnapshot,
@@ -182,7 +183,7 @@ def _shape(value):
 def test_ledger_document_matches_docs(cpu):
     documented = json.loads(re.search(r"```json\n(.*?)```", LEDGER_DOC.read_text(), re.DOTALL).group(1))
     ledger = _ledger(cpu)
-    ledger.foreign_at_start_processes = [ProcessMemory(999, "python", 1_900_000_000)]
+    ledger.foreign_at_start_processes = [ProcessMemory(999, "python", 1_900_000_000, "nvml")]
     doc = ledger.to_dict(process_bytes=5 * GiB, blocks_used=7)
     assert _shape(doc) == _shape(documented)
     assert [e["component"] for e in doc["entries"]] == [e["component"] for e in documented["entries"]]

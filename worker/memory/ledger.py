@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from vramledger.identity import ProcessIdentity
 from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION
+from vramledger.processes import ProcessMemory
 from vramledger.units import GiB, MiB, format_bytes
-from worker.memory.device import Device, ProcessMemory
+from worker.memory.device import Device
 from worker.memory.plan import blocks_per_sequence
 from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 
