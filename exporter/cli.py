@@ -150,3 +150,14 @@ def refuse_wrong_kinds(engines: Engines) -> None:
     for reading in engines.read(min(engines.timeout, STARTUP_WAIT)).values():
         if reading.wrong_kind:
             raise ValueError(reading.reason)
+
+
+def run() -> None:
+    """`python -m exporter` and the vramledger-exporter script: main(), then exit at once rather than
+    after joining the engine readers' threads (one stuck on an engine that never answers would hold a
+    stopping exporter for its whole --worker-timeout)."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
