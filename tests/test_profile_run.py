@@ -4,7 +4,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
-from worker.engine.profile_run import profile_blocks, run_worst_case
+from worker.engine.profile_run import prefill_shapes, profile_blocks, run_worst_case
 from worker.engine.speculation import CATCH_UP_CHUNK
 from worker.models.loader import load_model
 
@@ -22,7 +22,7 @@ def test_decode_step_proposes_k_after_the_longest_catch_up(checkpoints, speculat
     runner.forward = lambda name, rows, *args, **kw: calls.append((name, len(rows), len(rows[0]))) or \
         forward(name, rows, *args, **kw)
     run_worst_case(runner, config)
-    decode = calls[2:]  # after the target's and the draft's prefill
+    decode = calls[2 * len(prefill_shapes(runner, config, 64)):]  # after the target's and the draft's prefills
     # A plain step runs the target alone; a step that proposes again first feeds the draft what it missed
     # (the bonus token, or after plain steps what its catch-up left), then proposes k-1 more, then verifies k+1.
     assert decode == [("draft", 3, behind), ("draft", 3, 1), ("draft", 3, 1), ("target", 3, 4)]

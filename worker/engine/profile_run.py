@@ -21,10 +21,30 @@ def profile_blocks(config: EngineConfig) -> int:
     return config.max_blocks_per_seq
 
 
+def prefill_shapes(runner: ModelRunner, config: EngineConfig, longest: int) -> list[tuple[int, int, int]]:
+    """(rows, tokens a row, first position) of the prefill steps that hold the most memory: each is
+    max_num_batched_tokens wide (padded rows cost the same). Rows from position 0 (a prompt's
+    first chunk, over its own tokens); and chunks that end at `longest` after a cached prefix or
+    earlier chunks: as many rows as may run, and, when chunks that wide are too wide to read
+    their context in place, the most rows of those (each layer gathers their context)."""
+    budget, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    width = min(longest, budget)
+    shapes = [(max(1, min(seqs, budget // width)), width, 0)]
+    if longest > 1:
+        rows = min(seqs, budget)
+        width = min(longest - 1, budget // rows)
+        shapes.append((rows, width, longest - width))
+        width = runner.narrowest_gathered_chunk(longest)
+        if width < longest and width <= budget:
+            shapes.append((min(seqs, budget // width), width, longest - width))
+    return shapes
+
+
 @torch.inference_mode()
 def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | None = None,
                    batch: int | None = None) -> None:
-    """A full prefill batch, then a full speculative decode step at the longest context.
+    """The prefill steps that hold the most memory, then a full speculative decode step at the
+    longest context.
 
     Rows share one block table: keys and values land on the same scratch slots, which
     costs nothing in activations and keeps the scratch cache small. `longest` and `batch`
@@ -34,11 +54,9 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
     table = list(range(profile_blocks(config)))
     longest = longest or config.max_model_len
 
-    # Prefill: rows of max_model_len up to the batched-token limit (padded rows cost the same).
-    rows = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // longest))
-    prompt = [[1] * longest] * rows
-    for name in runner.models:
-        runner.forward(name, prompt, [0] * rows, [table] * rows, 1 if name == "target" else 0)
+    for rows, width, start in prefill_shapes(runner, config, longest):
+        for name in runner.models:
+            runner.forward(name, [[1] * width] * rows, [start] * rows, [table] * rows, 1 if name == "target" else 0)
 
     # Decode: every sequence at the longest context, k draft steps then k+1 verified positions.
     B = batch or config.max_num_seqs
