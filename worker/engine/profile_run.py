@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from worker.config import EngineConfig
+from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalText
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import RowParams, draw, propose
@@ -100,7 +101,8 @@ def request_states(config: EngineConfig, tokenizer, device: torch.device, count:
     """What the engine keeps per request, for `count` (default max_num_seqs) requests at max_model_len.
 
     Token ids are fresh Python ints, as the tokenizer and the sampler hand them out; each
-    request also holds its decoded text, its block table and its own generator.
+    request also holds its decoded text, its block table, its blocks' prefix-cache hashes and its
+    own generator.
     """
     vocab = max(2, getattr(tokenizer, "vocab_size", 0) or 2)
     half = config.max_model_len // 2
@@ -110,8 +112,23 @@ def request_states(config: EngineConfig, tokenizer, device: torch.device, count:
         seq = Sequence(f"profile-{i}", ids[:half].tolist(), WORST_PARAMS)
         seq.output_token_ids = ids[half:].tolist()
         seq.block_table = list(range(config.max_blocks_per_seq))
+        if config.prefix_caching:
+            seq.block_hashes = [hash((i, b)) for b in range(config.max_model_len // config.block_size)]
         text = IncrementalText(tokenizer, []) if tokenizer is not None else None
         if text is not None:
             text.update(seq.output_token_ids)
         states.append((seq, text, torch.Generator(device).manual_seed(i)))
     return states
+
+
+def block_index(config: EngineConfig, num_blocks: int) -> BlockManager:
+    """A pool of num_blocks blocks, each holding a cached prefix: the prefix cache's host state at
+    its largest (every block registered)."""
+    pool = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+    seq = Sequence("profile-index", [], WORST_PARAMS)
+    seq.block_hashes = [hash(("profile-index", b)) for b in range(num_blocks)]  # as if its tokens filled them
+    pool.allocate(seq, num_blocks * config.block_size)
+    seq.num_cached = num_blocks * config.block_size
+    pool.commit(seq)
+    pool.free(seq)
+    return pool
