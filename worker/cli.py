@@ -30,8 +30,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, metavar="N")
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="prompt tokens one prefill step computes (default 2048); longer prompts are prefilled "
-                        "in chunks, between decode steps of the requests already running")
+                   help="prompt tokens one prefill step computes (default 512 on the CPU, else 2048); longer "
+                        "prompts are prefilled in chunks, between decode steps of the requests already running")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt whole (by default a prompt that starts like an earlier one "
                         "reuses its cached KV blocks)")

@@ -57,7 +57,7 @@ class LLMEngine:
             if draft is not None and draft.config.vocab_size != target.config.vocab_size:
                 raise ModelLoadError(f"draft vocab_size {draft.config.vocab_size} differs from the "
                                      f"target's {target.config.vocab_size}")
-            config.resolve_lengths(target.config.max_position_embeddings)
+            config.resolve_lengths(target.config.max_position_embeddings, self.device.kind)
             self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
             bar.set_postfix_str("building matmul kernels")
             # They stay in oneDNN's cache for the process's life: what it grew by is theirs.
@@ -191,8 +191,8 @@ class LLMEngine:
         rows = [s.token_ids[n:n + c] for s, n, c in zip(seqs, starts, chunks)]
         tables = [s.block_table for s in seqs]
         logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
-        if self.speculation.awake:  # a dormant draft reads when it proposes, as does one behind the target
-            # (a cached prefix it never wrote)
+        # A dormant draft reads when it proposes; so does one behind the target (cached blocks it never wrote).
+        if self.speculation.awake:
             level = [i for i, s in enumerate(seqs) if s.num_draft_cached == s.num_cached]
             if level:
                 self.runner.forward("draft", [rows[i] for i in level], [starts[i] for i in level],
