@@ -57,8 +57,10 @@ class Split:
     def installed(self, engine: LLMEngine):
         targets = [(llama, "linear", "matmul"), (F, "scaled_dot_product_attention", "attention"),
                    (paged_attention, "attend", "attention"), (llama, "read_context", "attention"),
-                   (attention.PagedBatch, "mask", "attention"), (rotate_store, "rotate_store", "rope + cache write"),
-                   (llama, "rotate_", "rope + cache write"), (llama.RMSNorm, "forward", "norm"),
+                   (attention.PagedBatch, "mask", "attention"),
+                   (rotate_store, "rotate_store", "rope + cache write"),
+                   (llama, "rotate_", "rope + cache write"),
+                   (llama.RMSNorm, "forward", "norm"),
                    (decoder_layers.DecoderForward, "__call__", "forward in one C call")]
         targets += [(m.self_attn, "write_kv", "rope + cache write")
                     for model in engine.runner.models.values() for m in model.model.layers]
@@ -148,11 +150,12 @@ def main() -> None:
                                         (8, 40, c, f"8 rows x 40 new after {c} cached")):
             r = split_step(engine, model, rows, new, cached, args.repeats)
             shares = " | ".join(f"{100 * r['parts'][k] / r['median']:.0f}%" for k in KINDS)
-            print(f"| {model}, {what} | {1000 * r['median']:.0f} ({1000 * r['min']:.0f}-{1000 * r['max']:.0f}) "
-                  f"| {shares} |")
+            ms = {k: f"{1000 * r[k]:.0f}" for k in ("median", "min", "max")}
+            print(f"| {model}, {what} | {ms['median']} ({ms['min']}-{ms['max']}) | {shares} |")
     del engine
 
-    print(f"\n2. serving 4 streams of unique {c}-token prompts, 32 output tokens each, {args.requests} requests\n")
+    print(f"\n2. serving 4 streams of unique {c}-token prompts, 32 output tokens each, "
+          f"{args.requests} requests\n")
     print("| engine | --max-num-batched-tokens | prefill s (steps) | decode s (steps) | prefill share "
           "| prompt tok/s in prefill | output tok/s |")
     print("|---" * 7 + "|")
@@ -160,9 +163,10 @@ def main() -> None:
         for budget in args.budgets:
             r = serve_long_prompts(draft, budget, c, args.requests)
             total = r["seconds"]["prefill"] + r["seconds"]["decode"]
-            print(f"| {'draft (adaptive)' if draft else 'plain'} | {budget} | {r['seconds']['prefill']:.1f} "
-                  f"({r['steps']['prefill']}) | {r['seconds']['decode']:.1f} ({r['steps']['decode']}) | "
-                  f"{100 * r['seconds']['prefill'] / total:.0f}% | {r['prompt_tok_s']:.0f} | {r['tok_s']:.1f} |")
+            seconds, steps = r["seconds"], r["steps"]
+            print(f"| {'draft (adaptive)' if draft else 'plain'} | {budget} | {seconds['prefill']:.1f} "
+                  f"({steps['prefill']}) | {seconds['decode']:.1f} ({steps['decode']}) | "
+                  f"{100 * seconds['prefill'] / total:.0f}% | {r['prompt_tok_s']:.0f} | {r['tok_s']:.1f} |")
 
 
 if __name__ == "__main__":

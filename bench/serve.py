@@ -95,10 +95,10 @@ LOADS = ("short", "shared-prefix", "long-prompt")
 
 def build_loads(args, names: list[str]) -> dict[str, Load]:
     known = {
-        "short": Load("short", f"synthetic {args.prompt_tokens}-token prompts, {args.output_tokens} output tokens",
-                      args.prompt_tokens, args.output_tokens, tuple(args.concurrency)),
-        "shared-prefix": Load("shared-prefix", "a shared 1024-token prefix + 32-token prompts, 32 output tokens",
-                              32, 32, (8,), prefix_tokens=1024),
+        "short": Load("short", f"synthetic {args.prompt_tokens}-token prompts, {args.output_tokens} output "
+                      "tokens", args.prompt_tokens, args.output_tokens, tuple(args.concurrency)),
+        "shared-prefix": Load("shared-prefix", "a shared 1024-token prefix + 32-token prompts, 32 output "
+                              "tokens", 32, 32, (8,), prefix_tokens=1024),
         "long-prompt": Load("long-prompt", "unique 1024-token prompts, 32 output tokens", 1024, 32, (4,)),
     }
     return {name: known[name] for name in names}
@@ -240,7 +240,7 @@ def run_guidellm(guidellm: str, server: Server, args, load: Load, report: Path,
     """One guidellm run through the load's streams; per concurrency: output tok/s, requests, errors, TTFT."""
     streams = list(streams or load.streams)
     body: dict = {"temperature": 1.0}
-    data = load.data(with_output=server.ignore_eos)  # with output_tokens guidellm sends max_tokens and ignore_eos
+    data = load.data(with_output=server.ignore_eos)  # output_tokens: guidellm sends max_tokens and ignore_eos
     if not server.ignore_eos:  # transformers refuses ignore_eos; its own generation_config does the same
         body["generation_config"] = json.dumps({"min_new_tokens": load.output_tokens,
                                                 "max_new_tokens": load.output_tokens})
@@ -399,14 +399,15 @@ def print_report(results: dict, observing, args, loads: dict[str, Load]) -> None
         table["transformers"] = best
         order.append("transformers")
     order += [n for n in SERVERS if n.startswith("ours") and n in table]
-    print(f"\nguidellm {guidellm_version()}: chat completions, synthetic prompts, ignore_eos, temperature 1.0, "
-          f"float32, CPU; {args.requests_per_stream} requests per stream (at least {args.min_requests})"
+    print(f"\nguidellm {guidellm_version()}: chat completions, synthetic prompts, ignore_eos, temperature "
+          f"1.0, float32, CPU; {args.requests_per_stream} requests per stream (at least {args.min_requests})"
           + (f", at most {args.max_seconds:.0f} s" if args.max_seconds else "") + "; one server at a time")
     ref = table.get("vllm")
     for load in loads.values():
         cs = list(load.streams)
         print(f"\n{load.label}: mean output tokens/s (guidellm), by concurrent streams\n")
-        print("| server | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in cs) + " | draft acceptance | errored |")
+        print("| server | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in cs)
+              + " | draft acceptance | errored |")
         print("|---" * (len(cs) + 3) + "|")
         for name in order:
             r = table[name]
@@ -469,10 +470,11 @@ def goals(round_results: dict, loads: dict[str, Load]) -> dict[str, bool | None]
             holds([(at("ours", "short", c), at("vllm", "short", c), 1.0) for c in cs])
         if draft is not None:
             label = f"short prompts: {LABELS[draft]}"
-            out[f"{label} >= 1.6x at 1 stream"] = holds([(at(draft, "short", 1), at("vllm", "short", 1), 1.6)])
-            out[f"{label} >= 1.2x at 16 streams"] = holds([(at(draft, "short", 16), at("vllm", "short", 16), 1.2)])
-            out[f"{label} never below ours plain"] = holds([(at(draft, "short", c), at("ours", "short", c), 1.0)
-                                                           for c in cs])
+            vllm_at = {c: at("vllm", "short", c) for c in cs}
+            out[f"{label} >= 1.6x at 1 stream"] = holds([(at(draft, "short", 1), vllm_at.get(1), 1.6)])
+            out[f"{label} >= 1.2x at 16 streams"] = holds([(at(draft, "short", 16), vllm_at.get(16), 1.2)])
+            out[f"{label} never below ours plain"] = holds([(at(draft, "short", c), at("ours", "short", c),
+                                                             1.0) for c in cs])
     if "shared-prefix" in loads:
         c = loads["shared-prefix"].streams[0]
         for name in ["ours"] + [draft] * (draft is not None):
@@ -495,7 +497,8 @@ def print_spread(rounds: list[dict], loads: dict[str, Load]) -> None:
         cs = list(load.streams)
         keys = ("tok_s",) if load.name == "short" else ("tok_s", "ttft_ms")
         print(f"\n{load.label}: {len(rounds)} rounds, servers in a rotated order each round; tok/s"
-              + (", TTFT median ms" if len(keys) > 1 else "") + " at " + "/".join(map(str, cs)) + " streams\n")
+              + (", TTFT median ms" if len(keys) > 1 else "") + " at " + "/".join(map(str, cs))
+              + " streams\n")
         print("| server | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " |")
         print("|---" * (len(rounds) + 1) + "|")
         for name in names:
@@ -504,15 +507,16 @@ def print_spread(rounds: list[dict], loads: dict[str, Load]) -> None:
                                for key in keys) if isinstance(r.get(name), dict) else "n/a" for r in rounds]
             print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
         for key in keys:
-            print(f"\n{load.label}: {'output tok/s' if key == 'tok_s' else 'TTFT median'} as a ratio to vLLM plain "
-                  "in the same round, min / median / max over the rounds\n")
+            what = "output tok/s" if key == "tok_s" else "TTFT median"
+            print(f"\n{load.label}: {what} as a ratio to vLLM plain in the same round, min / median / max "
+                  "over the rounds\n")
             print("| server | " + " | ".join(f"{c}" for c in cs) + " |")
             print("|---" * (len(cs) + 1) + "|")
             for name in names:
                 cells = []
                 for c in cs:
-                    pairs = [(figure(r.get(name), load.name, c, key), figure(r.get("vllm"), load.name, c, key))
-                             for r in rounds]
+                    pairs = [(figure(r.get(name), load.name, c, key),
+                              figure(r.get("vllm"), load.name, c, key)) for r in rounds]
                     ratios = [a / b for a, b in pairs if a is not None and b]
                     cells.append(f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}"
                                  if ratios else "n/a")
@@ -584,7 +588,8 @@ def main() -> int:
             results = {}
             for name in names:
                 server = servers[name]
-                results[name] = server if isinstance(server, str) else measure(server, guidellm, args, loads, logdir)
+                results[name] = server if isinstance(server, str) else \
+                    measure(server, guidellm, args, loads, logdir)
                 print(f"  round {i + 1} {name}: {json.dumps(results[name], default=str)}", file=sys.stderr,
                       flush=True)
             rounds.append(results)

@@ -46,7 +46,8 @@ def test_each_goal_fails_on_its_own_figure(serve):
     vllm, plain, draft = result(100, 400, 1000, 1200), result(100, 399, 1000, 1200), result(159, 500, 1199, 1199)
     verdict = serve.goals({"vllm": vllm, "ours": plain, "ours-draft-adaptive": draft}, loads(serve, "short"))
     assert list(verdict.values()) == [False, False, False, False]
-    verdict = serve.goals({"vllm": result(shared=(200, 1000), long=30), "ours": result(shared=(299, 400), long=29.9),
+    verdict = serve.goals({"vllm": result(shared=(200, 1000), long=30),
+                           "ours": result(shared=(299, 400), long=29.9),
                            "ours-draft-adaptive": result(shared=(400, 501))},
                           loads(serve, "shared-prefix", "long-prompt"))
     assert list(verdict.values()) == [False, True, True, False, False]
@@ -57,5 +58,6 @@ def test_a_failed_server_leaves_its_goals_unjudged(serve):
                            "ours-draft-adaptive": result(160, 480, 1200, 1300)}, loads(serve, "short"))
     assert verdict[next(iter(verdict))] is None
     assert list(verdict.values())[1:] == [None, None, True]
-    verdict = serve.goals({"vllm": result(shared=(200, 1000)), "ours": result()}, loads(serve, "shared-prefix"))
+    verdict = serve.goals({"vllm": result(shared=(200, 1000)), "ours": result()},
+                          loads(serve, "shared-prefix"))
     assert list(verdict.values()) == [None, None]  # ours has no shared-prefix figures

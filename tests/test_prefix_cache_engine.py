@@ -109,8 +109,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_pausing_running_streams(ch
     draft = checkpoints["llama-draft"] if with_draft else None
     long_prompt = tokens(100, 5)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    reference = outputs(engine(checkpoints["llama"], draft, max_model_len=256), PROMPTS + [long_prompt], params)
-    e = engine(checkpoints["llama"], draft, max_model_len=256, max_num_batched_tokens=16, prefix_caching=False)
+    reference = outputs(engine(checkpoints["llama"], draft, max_model_len=256), PROMPTS + [long_prompt],
+                        params)
+    e = engine(checkpoints["llama"], draft, max_model_len=256, max_num_batched_tokens=16,
+               prefix_caching=False)
     streams = [e.add_request(p, params) for p in PROMPTS]
     got = {i: [] for i in streams}
     while any(len(got[i]) < 3 for i in streams):  # the four are decoding

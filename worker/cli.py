@@ -31,7 +31,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="prompt tokens one prefill step computes (default 512 on the CPU, else 2048); longer "
-                        "prompts are prefilled in chunks, between decode steps of the requests already running")
+                        "prompts are prefilled in chunks, between decode steps of the running requests")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt whole (by default a prompt that starts like an earlier one "
                         "reuses its cached KV blocks)")

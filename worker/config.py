@@ -26,7 +26,7 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 2048
     max_num_seqs: int = 16
-    max_num_batched_tokens: int | None = None  # prompt tokens per prefill step; None: 512 on the CPU, else 2048
+    max_num_batched_tokens: int | None = None  # prompt tokens a prefill step; None: 512 on the CPU, else 2048
     prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike (block_manager.py)
     memory_utilization: float | None = None  # None: 0.9 on CUDA; on CPU the KV cache is capped at 2 GiB
     kv_cache_memory: int | None = None  # bytes; overrides memory_utilization

@@ -42,7 +42,8 @@ class BlockManager:
         self._hash: list[int | None] = [None] * num_blocks  # set while registered
         self._draft_written = [False] * num_blocks  # the draft's keys and values are there too
         self._registered: dict[int, int] = {}  # hash -> block
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # least recently used first
+        # Blocks no request holds, least recently used first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_cached = 0  # free blocks that are still registered
         self.queried_tokens = 0  # tokens of admitted requests looked up in the cache
         self.hit_tokens = 0  # of those, tokens found there

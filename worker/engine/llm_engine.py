@@ -184,14 +184,16 @@ class LLMEngine:
                       for j, t in enumerate(tokens[i].tolist())]
         return out
 
-    def _prefill(self, seqs: list[Sequence], chunks: list[int]) -> tuple[list[Sequence], list[list[int]], list]:
+    def _prefill(self, seqs: list[Sequence],
+                 chunks: list[int]) -> tuple[list[Sequence], list[list[int]], list]:
         """Each row's next chunk of prompt; rows whose prompt this completes draw their first token.
         Returns those rows, their tokens and logprobs."""
         starts = [s.num_cached for s in seqs]
         rows = [s.token_ids[n:n + c] for s, n, c in zip(seqs, starts, chunks)]
         tables = [s.block_table for s in seqs]
         logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
-        # A dormant draft reads when it proposes; so does one behind the target (cached blocks it never wrote).
+        # A dormant draft reads when it proposes; so does one behind the target (cached blocks it never
+        # wrote).
         if self.speculation.awake:
             level = [i for i, s in enumerate(seqs) if s.num_draft_cached == s.num_cached]
             if level:

@@ -35,7 +35,8 @@ class ModelRunner:
         """The fewest new tokens a row over `context` positions has when some model's attention
         gathers its context (the kernel that reads it in place would need more scratch)."""
         heads = max(m.model.layers[0].self_attn.num_heads for m in self.models.values())
-        return next((w for w in range(1, context + 1) if not paged_attention.fits(w, heads, context)), context + 1)
+        return next((w for w in range(1, context + 1) if not paged_attention.fits(w, heads, context)),
+                    context + 1)
 
     def warm_kernels(self) -> None:
         """Build every matmul kernel a forward can ask for (packed_linear.py; none off the CPU)."""

@@ -94,8 +94,8 @@ class EngineCollector(Collector):
         yield gauge("vramledger_kv_cache_blocks_cached", "KV cache blocks no request holds that keep a full "
                     "block of an earlier prompt for requests that start alike (evicted least recently used "
                     "first when fresh blocks run out).", cached)
-        yield gauge("vramledger_kv_cache_blocks_free", "KV cache blocks holding nothing (total - used - cached).",
-                    total - used - cached)
+        yield gauge("vramledger_kv_cache_blocks_free",
+                    "KV cache blocks holding nothing (total - used - cached).", total - used - cached)
         yield gauge("vramledger_kv_cache_usage_ratio", "Share of the KV cache blocks in use.",
                     used / total if total else 0.0)
 
@@ -114,7 +114,8 @@ class EngineCollector(Collector):
                       stats.prompt_tokens)
         yield counter("vramledger_generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("vramledger_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
-                      "(each admission, readmissions after preemption included).", engine.blocks.queried_tokens)
+                      "(each admission, readmissions after preemption included).",
+                      engine.blocks.queried_tokens)
         yield counter("vramledger_prefix_cache_hits", "Of the prompt tokens looked up, those found in the "
                       "prefix cache (not computed again).", engine.blocks.hit_tokens)
         yield counter("vramledger_spec_decode_drafts", "Draft proposals verified (one per request per "

@@ -168,7 +168,8 @@ class Ledger:
                                                for p in self.foreign_at_start_processes]},
             "kv_cache": {"block_size": self.block_size, "bytes_per_block": self.bytes_per_block,
                          "blocks_total": self.blocks_total, "blocks_used": used, "blocks_cached": cached,
-                         "blocks_free": self.blocks_total - used - cached, "capacity_tokens": self.capacity_tokens},
+                         "blocks_free": self.blocks_total - used - cached,
+                         "capacity_tokens": self.capacity_tokens},
             "live": {"process_bytes": process, "declared_bytes": declared,
                      "unaccounted_bytes": max(0, process - declared), "measured_at": time.time()},
         }
