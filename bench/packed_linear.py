@@ -4,7 +4,7 @@
 
 Speed: one "pass" runs every decoder projection of the shipped target once, as a forward does;
 passes alternate between plain weights, weights packed with torch.ops.mkldnn and weights blocked
-for this project's kernel (worker/models/blocked_linear.py, where it runs); prints min/median/max
+for this project's kernel (worker/kernels/blocked_linear.py, where it runs); prints min/median/max
 microseconds per pass and each layout's median over the blocked one's (over oneDNN's where the
 kernel cannot run).
 Memory: oneDNN builds and caches a primitive for every (weight shape, row count) it meets; the
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from alternating import alternate, ratio, spread
 
 from worker.config import DEFAULT_MODEL
-from worker.models import blocked_linear
+from worker.kernels import blocked_linear
 from worker.models.loader import load_model
 
 PACK_BATCH_HINT = 32  # the row count the packing is tuned for (vLLM's choice)

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.models import paged_attention
+from worker.kernels import paged_attention
 from worker.models.attention import GatherWorkspace, build_paged_batch
 from worker.models.llama import read_context
 
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=150, help="cached positions before the new tokens")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if paged_attention._kernel() is None:
+    if not paged_attention.available():
         raise SystemExit("the kernel cannot run here (neither AVX-512 nor AVX2, or no C compiler)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -8,8 +8,8 @@ under long prompts, on the shipped pair (CPU, float32).
    prefix at 1 and 8 rows (a shared system prompt). Each kind of work is timed by wrapping the
    functions that do it: matmuls (every projection and the head), attention (SDPA, the context
    gather and mask, the in-place kernel), rope and cache writes, norms, a decode-style forward in
-   one C call (decoder_layers.c: its parts are not split), and the rest (embeddings, activations,
-   batch layout, Python).
+   one C call (worker/kernels/decoder_layers.c: its parts are not split), and the rest
+   (embeddings, activations, batch layout, Python).
 2. Serving: the engine kept at 4 streams of unique --context-token prompts, 32 output tokens each,
    temperature 1.0, until --requests are done: the wall time of prefill steps and of decode steps,
    plain and with the draft (adaptive), at each --max-num-batched-tokens of --budgets.
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
-from worker.models import attention, decoder_layers, llama, paged_attention, rotate_store
+from worker.kernels import paged_attention, rotate_store
+from worker.models import attention, decoder_forward, llama
 
 KINDS = ("matmul", "attention", "rope + cache write", "norm", "forward in one C call", "rest")
 
@@ -61,7 +62,7 @@ class Split:
                    (rotate_store, "rotate_store", "rope + cache write"),
                    (llama, "rotate_", "rope + cache write"),
                    (llama.RMSNorm, "forward", "norm"),
-                   (decoder_layers.DecoderForward, "__call__", "forward in one C call")]
+                   (decoder_forward.DecoderForward, "__call__", "forward in one C call")]
         targets += [(m.self_attn, "write_kv", "rope + cache write")
                     for model in engine.runner.models.values() for m in model.model.layers]
         originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]

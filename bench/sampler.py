@@ -18,9 +18,9 @@ import argparse
 import torch
 from alternating import alternate, ratio, spread
 
-from worker.engine import sampler
 from worker.engine.sampler import RowParams, draw, inverse_cdf, probabilities, sample
 from worker.engine.sampling_params import SamplingParams
+from worker.kernels import draw_tokens
 from worker.memory.device import fix_mmap_threshold
 
 
@@ -43,7 +43,7 @@ def main() -> None:
         race, cdf = times["exponential race"], times["inverse CDF"]
         print(f"{rows:3} rows: race {spread(race)} us | inverse CDF {spread(cdf)} us | {ratio(race, cdf):.1f}x",
               flush=True)
-    if sampler._draw_kernel() is None:
+    if not draw_tokens.available():
         print("draw_tokens.c cannot run here (neither AVX-512 nor AVX2, or no C compiler): plain steps use torch's ops")
         return
     fix_mmap_threshold()  # as the worker runs on the CPU: a fresh buffer of 256 KiB or more faults its pages in

@@ -35,8 +35,13 @@ def vllm_command(model: str | Path, port: int, draft: str | Path | None = None, 
     return cmd
 
 
-def start_vllm(model: str | Path, port: int, log: Path, kv_cache_gib: int = 1, **kwargs) -> subprocess.Popen:
-    """Starts the server in its own session (so its engine-core children can be stopped together)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
-    return subprocess.Popen(vllm_command(model, port, **kwargs), env=env, cwd=ROOT, start_new_session=True,
+def start_vllm(model: str | Path, port: int, log: Path, kv_cache_gib: int = 1, env: dict | None = None,
+               cwd: Path = ROOT, **kwargs) -> subprocess.Popen:
+    """Starts the server in its own session (so its engine-core children can be stopped together).
+
+    env: variables added to ours (None: removed). cwd is first on the server's sys.path (`python -m`).
+    """
+    env = {k: v for k, v in dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), **(env or {})).items()
+           if v is not None}
+    return subprocess.Popen(vllm_command(model, port, **kwargs), env=env, cwd=cwd, start_new_session=True,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.models import decoder_layers
+from worker.kernels import decoder_layers
 from worker.models.attention import build_paged_batch
+from worker.models.decoder_forward import DecoderForward
 from worker.models.loader import load_model
 from worker.models.packed_linear import plain
 
-needs_kernel = pytest.mark.skipif(decoder_layers._kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here")
+needs_kernel = pytest.mark.skipif(not decoder_layers.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 CPU = torch.device("cpu")
 BLOCK = 16
 TABLES = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
@@ -125,6 +126,6 @@ def test_a_head_that_is_not_blocked_is_left_to_torch(checkpoints):
     step = build_paged_batch([[1, 2], [3, 4], [5, 6]], [len(p) for p in prompts], TABLES, BLOCK, 2, CPU)
     blocked = forward(model, step, cache.clone(), True)
     model.lm_head.weight = torch.nn.Parameter(plain(model.lm_head.weight).contiguous(), requires_grad=False)
-    model.fused_forward = decoder_layers.DecoderForward(model)
+    model.fused_forward = DecoderForward(model)
     assert not model.fused_forward.has_head
     torch.testing.assert_close(forward(model, step, cache.clone(), True), blocked, atol=2e-5, rtol=2e-5)

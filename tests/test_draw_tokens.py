@@ -4,10 +4,11 @@ import torch
 
 from worker.engine import sampler
 from worker.engine.sampler import RowParams, draw, inverse_cdf, probabilities, propose
-from worker.engine.sampler import draw_tokens as run_kernel
 from worker.engine.sampling_params import SamplingParams
+from worker.kernels import draw_tokens
+from worker.kernels.draw_tokens import draw_tokens as run_kernel
 
-needs_kernel = pytest.mark.skipif(sampler._draw_kernel() is None,
+needs_kernel = pytest.mark.skipif(not draw_tokens.available(),
                                   reason="draw_tokens.c needs AVX-512 or AVX2 and a C compiler")
 
 
@@ -55,7 +56,7 @@ def test_a_rows_token_does_not_depend_on_its_batch():
 
 
 def test_rows_the_kernel_does_not_take_keep_the_torch_path(monkeypatch):
-    monkeypatch.setattr(sampler, "_draw_kernel", lambda: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(draw_tokens, "_kernel", lambda: pytest.fail("the kernel ran"))
     logits = torch.randn(3, 50)
     greedy = RowParams([SamplingParams(temperature=0)] * 3, [None] * 3, torch.device("cpu"))
     assert draw(logits, greedy).tolist() == logits.argmax(-1).tolist()
@@ -92,7 +93,7 @@ def test_a_draft_step_gets_the_probabilities_its_tokens_were_drawn_from():
 
 
 def test_draft_rows_the_kernel_does_not_take_get_torchs_probabilities(monkeypatch):
-    monkeypatch.setattr(sampler, "_draw_kernel", lambda: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(draw_tokens, "_kernel", lambda: pytest.fail("the kernel ran"))
     logits, cpu = torch.randn(3, 50), torch.device("cpu")
     greedy = RowParams([SamplingParams(temperature=0)] * 3, [None] * 3, cpu)
     q, tokens = propose(logits, greedy)

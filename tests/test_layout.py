@@ -1,4 +1,5 @@
-"""The worker's packages import one way: cli -> http -> engine -> memory and models; no cycles."""
+"""The worker's packages import one way: cli -> http -> engine -> memory and models, engine and models ->
+kernels; no cycles."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Higher layers may import lower ones, never the reverse. config is plain settings: anyone may read it.
 LAYERS = {"worker.cli": 3, "worker.__main__": 4, "worker.http": 2, "worker.engine": 1,
-          "worker.memory": 0, "worker.models": 0,
+          "worker.memory": 0, "worker.models": 0, "worker.kernels": -1,
           # a top-level command beside serve: it starts worker and exporter processes, imports only
           # memory, and is imported by cli (a command's package sits just below the cli that names it)
           "worker.selfcheck": 2.5}
@@ -66,6 +67,13 @@ def test_config_and_memory_import_nothing_above_them():
             assert all(layer(d) == "worker.memory" for d in deps), (module, deps)
 
 
+def test_kernels_import_nothing_of_the_worker_but_themselves():
+    kernels = {name: deps for name, deps in project_modules().items() if layer(name) == "worker.kernels"}
+    assert "worker.kernels.native" in kernels
+    for module, deps in kernels.items():
+        assert all(layer(d) == "worker.kernels" for d in deps), (module, deps)
+
+
 def test_no_import_cycles():
     graph = project_modules()
     state: dict[str, str] = {}
@@ -86,6 +94,19 @@ def test_no_import_cycles():
 
 
 def test_nothing_test_only_in_the_product():
-    for path in [*(ROOT / "worker").rglob("*.py"), *(ROOT / "exporter").rglob("*.py")]:
+    for path in [*(ROOT / "worker").rglob("*.py"), *(ROOT / "exporter").rglob("*.py"),
+                 *(ROOT / "vramledger").rglob("*.py")]:
         assert "test" not in path.stem, path
         assert "VRAMLEDGER_TEST" not in path.read_text(), path
+
+
+def test_the_shared_package_imports_neither_side():
+    """vramledger/ is what the worker, the exporter and vLLM's processes share: it must load in any of
+    them, so it imports neither side, and its shared modules (not its plug-ins) not even torch."""
+    for path in (ROOT / "vramledger").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        names |= {node.module for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+        forbidden = {"worker", "exporter"} | ({"torch"} if path.parent == ROOT / "vramledger" else set())
+        assert not {n.split(".")[0] for n in names} & forbidden, path

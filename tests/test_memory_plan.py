@@ -9,12 +9,10 @@ from worker.memory.device import CpuDevice, CudaDevice
 from worker.memory.plan import (
     CPU_DEFAULT_KV_BYTES,
     MemoryPlanError,
-    SizeError,
     blocks_per_sequence,
     budget_bytes,
     check_free_memory,
     max_usable_kv_bytes,
-    parse_size,
     plan_kv_blocks,
 )
 
@@ -115,17 +113,3 @@ def test_kv_short_only_by_the_lookahead_suggests_fewer_speculative_tokens():
     with pytest.raises(MemoryPlanError) as error:
         plan_kv_blocks(64 * MiB, MiB, 16, 1022, 4)  # 1024 slots: 1022 fit, 1026 do not
     assert "lower --num-speculative-tokens to at most 2" in str(error.value)
-
-
-# --- sizes ---
-@pytest.mark.parametrize("text, expected", [
-    ("2GiB", 2 * GiB), ("512MiB", 512 * MiB), ("1.5G", 3 * GiB // 2), ("1073741824", GiB),
-    (" 64 mi ", 64 * MiB), ("1GB", 10**9), ("2k", 2048), (4096, 4096)])
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "G", "2X", "-1G", "1.5", "1e9", "two GiB", -5])
-def test_parse_size_errors(text):
-    with pytest.raises(SizeError, match="size"):  # a ValueError, and an argparse type error
-        parse_size(text)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from worker.models import native
+from worker.kernels import native
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from random_models import make_checkpoint
 
+from worker.kernels import blocked_linear
 from worker.memory.device import CpuDevice
 from worker.memory.profiler import module_tensor_bytes
-from worker.models import blocked_linear, packed_linear
+from worker.models import packed_linear
 from worker.models.loader import load_model
 from worker.models.packed_linear import ROW_BUCKETS, is_packed, linear, pack_onednn, packable, plain, warm
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.models import native, paged_attention
+from worker.kernels import native, paged_attention
 from worker.models.attention import build_paged_batch
 from worker.models.llama import read_context
 
-needs_kernel = pytest.mark.skipif(paged_attention._kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here")
+needs_kernel = pytest.mark.skipif(not paged_attention.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 CPU = torch.device("cpu")
 BLOCK = 16
 
@@ -74,7 +74,7 @@ def test_the_kernel_takes_what_it_can_compute_and_leaves_the_rest():
 
 def test_the_kernel_loads_wherever_it_can_run():
     can_run = native.isa() is not None and shutil.which("cc")
-    assert (paged_attention._kernel() is not None) == bool(can_run)
+    assert paged_attention.available() == bool(can_run)
 
 
 @needs_kernel

@@ -14,8 +14,9 @@ import torch
 from test_device import FakeCuda, props, two_gpus
 from torch import nn
 
+from vramledger.identity import container_id_from
 from worker.memory.device import CpuDevice, CudaDevice, ProcessMemory
-from worker.memory.ledger import Ledger, container_id_from, format_table, plot, summary_line
+from worker.memory.ledger import Ledger, format_table, plot, summary_line
 from worker.memory.profiler import (
     MemorySnapshot,
     PeakSampler,
@@ -238,7 +239,7 @@ def test_plot_zoom_writes_every_entry_with_its_size(cpu, monkeypatch):
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: texts.extend(
         t.get_text() for ax in fig.axes for t in ax.texts))
     plot(ledger, "unused.png")
-    for expected in ("300.0 MiB (7.3%)", "1.00 GiB (25.0%)", "12.0 MiB (0.3%)", "0.3 MiB (0.0%)",
+    for expected in ("300.0 MiB (7.3%)", "1.00 GiB (25.0%)", "12.0 MiB (0.3%)", "300.0 KiB (0.0%)",
                      "budget 4.00 GiB"):
         assert expected in texts, (expected, texts)
 

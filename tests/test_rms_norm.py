@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
-from worker.models import native, rms_norm
+from worker.kernels import native, rms_norm
 from worker.models.llama import RMSNorm
 
-needs_kernel = pytest.mark.skipif(rms_norm._kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here")
+needs_kernel = pytest.mark.skipif(not rms_norm.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 
 
 def hugging_face(x, weight, eps):
@@ -49,4 +49,4 @@ def test_the_module_uses_the_kernel_for_float32_only(monkeypatch):
 
 def test_the_kernel_loads_wherever_it_can_run():
     can_run = native.isa() is not None and shutil.which("cc")
-    assert (rms_norm._kernel() is not None) == bool(can_run)
+    assert rms_norm.available() == bool(can_run)

@@ -6,11 +6,11 @@ import shutil
 import pytest
 import torch
 
-from worker.models import native, rotate_store
+from worker.kernels import native, rotate_store
 from worker.models.llama import real_tokens, write_kv
 from worker.models.rope import rotate_
 
-needs_kernel = pytest.mark.skipif(rotate_store._kernel() is None, reason="no AVX-512 or AVX2, or no C compiler here")
+needs_kernel = pytest.mark.skipif(not rotate_store.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 
 
 def example(padded: bool):
@@ -50,4 +50,4 @@ def test_takes_only_what_it_can_write():
 
 def test_the_kernel_loads_wherever_it_can_run():
     can_run = native.isa() is not None and shutil.which("cc")
-    assert (rotate_store._kernel() is not None) == bool(can_run)
+    assert rotate_store.available() == bool(can_run)

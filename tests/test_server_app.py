@@ -62,7 +62,7 @@ def test_a_model_that_fails_to_load_fails_health_and_stops_the_server(checkpoint
     fatal = []
     app = create_app(small_config(checkpoints["llama"]), ServerSettings(metrics=False),
                      engine_factory=broken_engine)
-    app.state.engine_loop.on_fatal = fatal.append
+    app.state.server.engine_loop.on_fatal = fatal.append
     with TestClient(app) as client:
         deadline = time.monotonic() + 10
         while not fatal:

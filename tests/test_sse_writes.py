@@ -5,8 +5,8 @@ import asyncio
 import json
 
 from worker.engine.outputs import RequestOutput
-from worker.http.api_models import ResponseRenderer
 from worker.http.choices import Job, events
+from worker.http.renderer import ResponseRenderer
 
 
 def output(text: str, n: int, finished: bool = False) -> RequestOutput:

@@ -2,15 +2,15 @@
 the law it must follow and against the torch path on the same uniforms."""
 import pytest
 import torch
-
 from test_rejection_sampler import BOUND, N, V, distributions, frequencies
-from worker.engine import spec_decode
+
 from worker.engine.sampler import RowParams, inverse_cdf, sample
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.spec_decode import verify_logits
+from worker.kernels import verify_tokens
 
 CPU = torch.device("cpu")
-needs_kernel = pytest.mark.skipif(spec_decode._verify_kernel() is None,
+needs_kernel = pytest.mark.skipif(not verify_tokens.available(),
                                   reason="verify_tokens.c needs AVX-512 or AVX2 and a C compiler")
 
 
@@ -43,7 +43,7 @@ def test_it_accepts_and_emits_what_the_torch_path_does_from_the_same_uniforms(mo
         return verify_logits(draft, q, logits, rows)
 
     c_accepted, c_tokens = run()
-    monkeypatch.setattr(spec_decode, "_verify_kernel", lambda: None)
+    monkeypatch.setattr(verify_tokens, "_kernel", lambda: None)
     accepted, tokens = run()
     assert {0, k} <= set(accepted.tolist())  # rejections and the bonus both ran
     same = c_accepted == accepted
@@ -53,7 +53,7 @@ def test_it_accepts_and_emits_what_the_torch_path_does_from_the_same_uniforms(mo
 
 
 def test_rows_the_kernel_does_not_take_keep_the_torch_path(monkeypatch):
-    monkeypatch.setattr(spec_decode, "_verify_kernel", lambda: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(verify_tokens, "_kernel", lambda: pytest.fail("the kernel ran"))
     logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 1.0]]])  # argmax 1, 0, 2
     greedy = RowParams([SamplingParams(temperature=0)], [None], CPU)
     n, tokens = verify_logits(torch.tensor([[1, 0]]), torch.full((1, 2, 3), 1 / 3), logits, greedy)

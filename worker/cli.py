@@ -5,8 +5,8 @@ import argparse
 import logging
 import sys
 
+from vramledger.units import parse_size  # its SizeError is an ArgumentTypeError too
 from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
-from worker.memory.plan import parse_size  # its SizeError is an ArgumentTypeError too
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.models import paged_attention
+from worker.kernels import paged_attention
 from worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
 from worker.models.compiled import compile_model, shape_classes
 from worker.models.llama import CausalLM

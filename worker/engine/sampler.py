@@ -1,14 +1,11 @@
 """Turning logits into probabilities and tokens, per request, without host syncs."""
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 from worker.engine.penalties import History
 from worker.engine.sampling_params import SamplingParams
-from worker.models import native
+from worker.kernels import draw_tokens
 
 
 class RowParams:
@@ -103,13 +100,6 @@ def sample(probs: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return torch.where(rows.greedy, greedy_tokens, inverse_cdf(probs, uniforms(rows, probs.device)))
 
 
-@functools.cache
-def _draw_kernel():
-    pointer = ctypes.c_void_p
-    return native.function("draw_tokens", "draw_tokens", pointer, ctypes.c_int64, ctypes.c_int64, pointer,
-                           pointer, pointer, pointer)
-
-
 def only_temperature(logits: torch.Tensor, rows: RowParams) -> bool:
     """Whether every row samples at a temperature only (no greedy row, no penalty, top-k or top-p)
     from float32 logits on the CPU: the rows the C kernels (draw_tokens.c, verify_tokens.c) take."""
@@ -118,7 +108,7 @@ def only_temperature(logits: torch.Tensor, rows: RowParams) -> bool:
 
 
 def _draws_in_c(logits: torch.Tensor, rows: RowParams) -> bool:
-    return only_temperature(logits, rows) and _draw_kernel() is not None
+    return only_temperature(logits, rows) and draw_tokens.available()
 
 
 def draw(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
@@ -127,7 +117,7 @@ def draw(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     a seeded request may draw another token than the torch path would."""
     if not _draws_in_c(logits, rows):
         return sample(probabilities(logits, rows), rows)
-    return draw_tokens(logits, rows.temperature, uniforms(rows, logits.device))
+    return draw_tokens.draw_tokens(logits, rows.temperature, uniforms(rows, logits.device))
 
 
 def propose(logits: torch.Tensor, rows: RowParams, proposed: torch.Tensor | None = None
@@ -139,19 +129,7 @@ def propose(logits: torch.Tensor, rows: RowParams, proposed: torch.Tensor | None
         q = probabilities(logits, rows, proposed)
         return q, sample(q, rows)
     q = torch.empty(logits.shape, dtype=torch.float32)  # dense row-major, as the kernel writes it
-    return q, draw_tokens(logits, rows.temperature, uniforms(rows, logits.device), probs=q)
-
-
-def draw_tokens(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
-                probs: torch.Tensor | None = None) -> torch.Tensor:
-    """draw_tokens.c: [N, V] float32 CPU logits, [N] temperatures, [N] uniforms -> [N] tokens;
-    given `probs` (contiguous, the logits' shape), the probabilities they were drawn from too."""
-    logits, u = logits.contiguous(), u.to(torch.float32).contiguous()
-    temperature = temperature.to(torch.float32).contiguous()
-    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-    _draw_kernel()(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature.data_ptr(), u.data_ptr(),
-                   tokens.data_ptr(), None if probs is None else probs.data_ptr())
-    return tokens
+    return q, draw_tokens.draw_tokens(logits, rows.temperature, uniforms(rows, logits.device), probs=q)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int

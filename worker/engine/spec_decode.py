@@ -1,13 +1,10 @@
 """Batched verification of draft proposals: greedy matching and rejection sampling."""
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 from worker.engine.sampler import RowParams, inverse_cdf, only_temperature, probabilities, uniforms
-from worker.models import native
+from worker.kernels import verify_tokens
 
 
 def verify_logits(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, logits: torch.Tensor,
@@ -16,26 +13,13 @@ def verify_logits(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, logits:
     and sampling settings, then verification; one C call (verify_tokens.c) where every row samples
     at a temperature only, which takes a position's softmax only while its proposals are accepted."""
     B, k = draft_tokens.shape
-    if not only_temperature(logits, rows) or _verify_kernel() is None:
+    if not only_temperature(logits, rows) or not verify_tokens.available():
         # Penalties see the proposals before each position, as the draft saw them when proposing.
         adjusted = logits if rows.history is None else rows.history.adjust_positions(logits, draft_tokens)
         p = probabilities(adjusted.flatten(0, 1), rows.expand(k + 1)).view(B, k + 1, -1)
         return verify(draft_tokens, draft_probs, p, rows)
     u_accept, u_next = uniforms(rows, logits.device, k), uniforms(rows, logits.device)  # as verify draws them
-    draft_tokens, draft_probs, logits = draft_tokens.contiguous(), draft_probs.contiguous(), logits.contiguous()
-    temperature = rows.temperature.to(torch.float32).contiguous()
-    num_accepted, tokens = torch.empty(B, dtype=torch.int64), torch.empty(B, k + 1, dtype=torch.int64)
-    _verify_kernel()(draft_tokens.data_ptr(), draft_probs.data_ptr(), logits.data_ptr(), B, k, logits.shape[-1],
-                     temperature.data_ptr(), u_accept.data_ptr(), u_next.data_ptr(), num_accepted.data_ptr(),
-                     tokens.data_ptr())
-    return num_accepted, tokens
-
-
-@functools.cache
-def _verify_kernel():
-    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
-    return native.function("verify_tokens", "verify_tokens", pointer, pointer, pointer, int64, int64, int64,
-                           pointer, pointer, pointer, pointer, pointer)
+    return verify_tokens.verify_tokens(draft_tokens, draft_probs, logits, rows.temperature, u_accept, u_next)
 
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,

@@ -5,9 +5,15 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from worker.http.api_models import APIError, ResponseRenderer, error_body, usage
 from worker.http.engine_loop import EngineFailed
+from worker.http.errors import APIError, error_body
+from worker.http.renderer import ResponseRenderer, usage
+
+if TYPE_CHECKING:
+    from worker.engine.outputs import RequestOutput
+    from worker.http.renderer import Choice
 
 
 @dataclass
@@ -25,7 +31,7 @@ def sse(doc: dict) -> str:
     return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
 
 
-async def merged(streams: list[asyncio.Queue]) -> AsyncIterator[tuple[int, object]]:
+async def merged(streams: list[asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput | EngineFailed]]:
     """(choice index, output) from every queue as they arrive, until each choice has finished."""
     if len(streams) == 1:  # the common case: no task per token
         while True:
@@ -48,7 +54,7 @@ async def merged(streams: list[asyncio.Queue]) -> AsyncIterator[tuple[int, objec
             task.cancel()
 
 
-async def collect(job: Job) -> list[tuple[str, list[int], str | None, list | None]]:
+async def collect(job: Job) -> list[Choice]:
     """Every choice run to its end: (text, token ids, finish reason, logprobs) per choice."""
     texts = [[] for _ in job.streams]
     token_ids = [[] for _ in job.streams]

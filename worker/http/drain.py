@@ -9,15 +9,14 @@ with finish_reason "abort" and its blocks are freed; then uvicorn shuts down as 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
 
 import uvicorn
 
-from worker.http.api_models import error_body
 from worker.http.engine_loop import EngineLoop
+from worker.http.errors import error_body, send_json
 
 log = logging.getLogger(__name__)
 RETRY_AFTER = "5"  # seconds; a client's retry then lands on a replica that is not draining
@@ -106,12 +105,7 @@ async def _send_503(send, status: str | None, message: str, code: str) -> None:
     body = error_body(message, "server_error", None, code)
     if status is not None:  # /health's shape: {"status": ..., "error": ...}
         body = {"status": status, **body}
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            (b"retry-after", RETRY_AFTER.encode()), (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": payload})
+    await send_json(send, 503, body, {"retry-after": RETRY_AFTER, "connection": "close"})
 
 
 class DrainingServer(uvicorn.Server):

@@ -12,10 +12,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from worker.engine.outputs import RequestOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.http.metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from worker.engine.llm_engine import LLMEngine  # typing only: importing it loads torch and the models
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +31,12 @@ class EngineFailed(RuntimeError):
 class EngineLoop:
     """Owns the LLMEngine on a background thread; requests and aborts reach it as commands."""
 
-    def __init__(self, build: Callable[[], object], metrics: RequestMetrics | None = None,
+    def __init__(self, build: Callable[[], LLMEngine], metrics: RequestMetrics | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None):
         self._build = build
         self.metrics = metrics
         self.on_fatal = on_fatal  # called on the engine thread when loading or a step fails
-        self.engine = None  # set once loaded: the asyncio side reads it for validation and gauges
+        self.engine: LLMEngine | None = None  # set once loaded: the asyncio side reads it for validation and gauges
         self.error: BaseException | None = None
         self._wake = threading.Condition()
         self._commands: deque[tuple] = deque()

@@ -10,12 +10,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
 from worker.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from worker.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +43,22 @@ class WorkerInfo:
     num_speculative_tokens: int
     version: str
 
+    @classmethod
+    def of(cls, engine: LLMEngine, model: str, version: str) -> WorkerInfo:
+        """The labels of a loaded engine serving `model` (its served name)."""
+        config, device = engine.config, engine.device
+        draft_model = Path(config.draft_model.rstrip("/")).name if config.draft_model else ""
+        return cls(model=model, draft_model=draft_model,
+                   device="cpu" if device.kind == "cpu" else f"{device.kind}:{device.index}",
+                   num_speculative_tokens=config.num_speculative_tokens, version=version)
+
 
 class EngineCollector(Collector):
     """Builds the ledger and engine metrics fresh on each scrape; nothing while the engine loads."""
 
-    def __init__(self, engine: Callable[[], object | None], pending: Callable[[], int],
+    def __init__(self, engine: Callable[[], LLMEngine | None], pending: Callable[[], int],
                  info: Callable[[], WorkerInfo | None]):
-        self._engine = engine  # the LLMEngine, or None while loading
+        self._engine = engine  # None while loading
         self._pending = pending  # requests handed to the engine thread but not yet in its queue
         self._info = info
         self._failed: set[str] = set()
@@ -63,7 +77,7 @@ class EngineCollector(Collector):
                     self._failed.add(source.__name__)
                     log.exception("metrics source %s failed; its metrics are left out", source.__name__)
 
-    def _ledger(self, engine) -> Iterator[Metric]:
+    def _ledger(self, engine: LLMEngine) -> Iterator[Metric]:
         report = engine.memory_report()
         memory = GaugeMetricFamily("vramledger_memory_bytes", "Memory the ledger declares, per component "
                                    "and model (weights per model; other components have model=\"\").",
@@ -84,7 +98,7 @@ class EngineCollector(Collector):
         yield gauge("vramledger_unaccounted_memory_bytes",
                     "max(0, process memory - declared memory), measured now.", live["unaccounted_bytes"])
 
-    def _kv_cache(self, engine) -> Iterator[Metric]:
+    def _kv_cache(self, engine: LLMEngine) -> Iterator[Metric]:
         blocks = engine.blocks
         total, used, cached = blocks.num_blocks, blocks.num_used, blocks.num_cached
         # Untyped, not a gauge: the contract's name ends in _total, which promtool reserves for counters.
@@ -99,13 +113,13 @@ class EngineCollector(Collector):
         yield gauge("vramledger_kv_cache_usage_ratio", "Share of the KV cache blocks in use.",
                     used / total if total else 0.0)
 
-    def _queues(self, engine) -> Iterator[Metric]:
+    def _queues(self, engine: LLMEngine) -> Iterator[Metric]:
         scheduler = engine.scheduler
         yield gauge("vramledger_requests_running", "Requests in the running batch.", len(scheduler.running))
         yield gauge("vramledger_requests_waiting", "Requests waiting for admission (or readmission).",
                     len(scheduler.waiting) + self._pending())
 
-    def _counters(self, engine) -> Iterator[Metric]:
+    def _counters(self, engine: LLMEngine) -> Iterator[Metric]:
         stats = engine.stats
         yield counter("vramledger_preemptions", "Requests preempted to free KV blocks (recomputed later).",
                       engine.scheduler.num_preemptions)
@@ -130,12 +144,12 @@ class EngineCollector(Collector):
             per_position.add_metric((str(position),), accepted)
         yield per_position
 
-    def _speculation(self, engine) -> Iterator[Metric]:
+    def _speculation(self, engine: LLMEngine) -> Iterator[Metric]:
         yield gauge("vramledger_spec_decode_num_speculative_tokens", "Draft tokens proposed per request "
                     "per decode step, as the speculation policy last chose (probes aside); at most "
                     "--num-speculative-tokens, 0 for plain steps.", engine.stats.current_speculative_tokens)
 
-    def _worker_info(self, engine) -> Iterator[Metric]:
+    def _worker_info(self, engine: LLMEngine) -> Iterator[Metric]:
         info = self._info()
         if info is None:
             return

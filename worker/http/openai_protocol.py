@@ -3,30 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from fastapi.exceptions import RequestValidationError
-
 from worker.engine.sampling_params import SamplingParams
-from worker.http.api_models import APIError, ChatCompletionRequest, SamplingRequest
-
-UNION_TAGS = ("str", "int", "float", "bool", "TextPart")
-
-
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem of a request body as a 400 with the offending top-level parameter."""
-    first = exc.errors()[0]
-    kind, loc = first.get("type", ""), [p for p in first.get("loc", ()) if p != "body"]
-    if kind == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-                        code="invalid_json")
-    if not loc:
-        return APIError(400, f"the request body must be a JSON object: {first['msg']}", code="invalid_body")
-    path = ".".join(str(p) for p in loc if isinstance(p, int) or ("[" not in p and p not in UNION_TAGS))
-    param = str(loc[0])
-    if kind == "extra_forbidden":
-        return APIError(400, f"unsupported parameter: {path}", param=param, code="unsupported_parameter")
-    if kind == "missing":
-        return APIError(400, f"missing required parameter: {path}", param=param, code="missing_parameter")
-    return APIError(400, f"invalid value for {path}: {first['msg']}", param=param, code="invalid_value")
+from worker.http.errors import APIError
+from worker.http.request_models import ChatCompletionRequest, SamplingRequest
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:

@@ -15,8 +15,9 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.outputs import RequestOutput
 from worker.engine.profile_run import request_states
-from worker.http.api_models import CompletionRequest, ResponseRenderer
 from worker.http.choices import Job
+from worker.http.renderer import ResponseRenderer
+from worker.http.request_models import CompletionRequest
 
 
 def requests_in_flight(config: EngineConfig, max_waiting: int, tokenizer, device: torch.device) -> list:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from vramledger.identity import host_pid, in_host_pid_namespace, proc_status_field
+
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -156,41 +158,9 @@ def _cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _proc_status_field(field: str) -> str | None:
-    """One field of /proc/self/status, None where there is none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def _proc_status_bytes(field: str) -> int | None:
-    value = _proc_status_field(field)  # "1692 kB"
+    value = proc_status_field(field)  # "1692 kB"
     return int(value.split()[0]) * 1024 if value else None
-
-
-# PROC_PID_INIT_INO: the inode of the host's (initial) pid namespace, fixed in the kernel.
-HOST_PID_NAMESPACE = "pid:[4026531836]"
-
-
-def in_host_pid_namespace() -> bool:
-    try:
-        return os.readlink("/proc/self/ns/pid") == HOST_PID_NAMESPACE
-    except OSError:
-        return False
-
-
-def host_pid() -> int | None:
-    """Our pid as the host sees it (NVML reports host pids), None where it is not visible."""
-    if in_host_pid_namespace():
-        return os.getpid()
-    # NSpid lists our pid from the outermost namespace /proc can see to our own.
-    nspid = (_proc_status_field("NSpid") or "").split()
-    return int(nspid[0]) if len(nspid) > 1 else None
 
 
 def _load_libc():

@@ -1,22 +1,16 @@
 """The memory ledger: every byte the worker holds, by owner, as served by GET /v1/memory."""
 from __future__ import annotations
 
-import os
-import re
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.memory.device import Device, ProcessMemory, host_pid
+from vramledger.identity import ProcessIdentity
+from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION
+from vramledger.units import GiB, MiB, format_bytes
+from worker.memory.device import Device, ProcessMemory
 from worker.memory.plan import blocks_per_sequence
 from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
-
-MiB, GiB = 1 << 20, 1 << 30
-LEDGER_VERSION = 1
-# Entry order in the document and the table: from the process's start to the KV cache.
-COMPONENTS = ("runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "allocator",
-              "sequence_state", "server", "kv_cache")
 
 
 @dataclass
@@ -26,40 +20,6 @@ class LedgerEntry:
     component: str
     model: str
     bytes: int
-
-
-@dataclass(frozen=True)
-class WorkerIdentity:
-    """How the exporter finds this process: pid, host pid, container and host."""
-
-    pid: int
-    host_pid: int | None
-    container_id: str | None
-    hostname: str
-
-    @classmethod
-    def current(cls) -> WorkerIdentity:
-        return cls(os.getpid(), host_pid(), container_id(), socket.gethostname())
-
-
-def container_id() -> str | None:
-    """Our container's id (64 hex digits) from /proc/self/cgroup or mountinfo, None outside one."""
-    return container_id_from(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo"))
-
-
-def container_id_from(cgroup: str, mountinfo: str = "") -> str | None:
-    # docker: /docker/<id>, systemd: docker-<id>.scope, containerd/CRI: cri-containerd-<id>.scope;
-    # with a private cgroup namespace ("0::/") only docker's mounts of /etc/hostname show the id.
-    found = re.findall(r"[0-9a-f]{64}", cgroup) or re.findall(r"/containers/([0-9a-f]{64})/", mountinfo)
-    return found[-1] if found else None  # the container id follows the pod id in kubepods paths
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 @dataclass
@@ -84,7 +44,7 @@ class Ledger:
     blocks_cached: int | Callable[[], int] = 0  # held by no request, kept for the prefixes they hold
     max_model_len: int = 0
     num_speculative_tokens: int = 0
-    worker: WorkerIdentity = field(default_factory=WorkerIdentity.current)
+    worker: ProcessIdentity = field(default_factory=ProcessIdentity.current)
 
     @classmethod
     def at_start(cls, device: Device, target_model: str, draft_model: str | None = None,
@@ -150,11 +110,10 @@ class Ledger:
         used = self.current_blocks_used() if blocks_used is None else int(blocks_used)
         cached = self.current_blocks_cached() if blocks_cached is None else int(blocks_cached)
         declared = self.declared_bytes
-        w, d = self.worker, self.device
+        d = self.device
         return {
             "version": LEDGER_VERSION,
-            "worker": {"pid": w.pid, "host_pid": w.host_pid, "container_id": w.container_id,
-                       "hostname": w.hostname},
+            "worker": self.worker.to_dict(),
             "models": {"target": self.target_model, "draft": self.draft_model},
             "device": {"kind": d.kind, "index": d.index, "uuid": d.uuid, "name": d.name,
                        "total_bytes": self.total_bytes, "free_at_start_bytes": self.free_at_start_bytes},
@@ -218,10 +177,6 @@ def summary_line(ledger: Ledger) -> str:
             f"KV {ledger.blocks_total} blocks = {ledger.capacity_tokens} tokens")
 
 
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
-
-
 def plot(ledger: Ledger, path: str) -> None:
     """Draw the ledger beside the budget and the device total, and a zoom on the budget (PNG at path)."""
     # Figure + the Agg canvas directly: no pyplot, no global backend switch, no display needed.
@@ -276,16 +231,16 @@ def _plot_budget(ledger: Ledger, ax) -> None:
         end = (start + nbytes) / scale
         inside = nbytes > 0.35 * budget  # long bars carry their text; short ones have it beside them
         ax.text(end - 0.01 * budget / scale if inside else end + 0.01 * budget / scale, i,
-                _size(nbytes) + share, va="center", ha="right" if inside else "left", fontsize=9,
+                format_bytes(nbytes) + share, va="center", ha="right" if inside else "left", fontsize=9,
                 color="white" if inside else "black")
         labels.append(label)
         start += nbytes
     n = len(rows)
     ax.barh(n, budget / scale, color="0.6", height=0.7)
-    ax.text(budget / scale * 0.99, n, f"budget {_size(ledger.budget_bytes)}", va="center", ha="right",
+    ax.text(budget / scale * 0.99, n, f"budget {format_bytes(ledger.budget_bytes)}", va="center", ha="right",
             fontsize=9, color="white")
     ax.barh(n + 1, ledger.declared_bytes / scale, color="0.35", height=0.7)
-    ax.text(ledger.declared_bytes / scale * 0.99, n + 1, f"declared {_size(ledger.declared_bytes)}",
+    ax.text(ledger.declared_bytes / scale * 0.99, n + 1, f"declared {format_bytes(ledger.declared_bytes)}",
             va="center", ha="right", fontsize=9, color="white")
     ax.axvline(budget / scale, color="0.4", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(n + 2), labels + ["budget", "declared"])
@@ -293,4 +248,4 @@ def _plot_budget(ledger: Ledger, ax) -> None:
     ax.set_xlim(0, max(budget, ledger.declared_bytes) / scale * 1.3)  # room for the text of the last rows
     ax.set_xlabel(unit)
     share = f", {100 * budget / ledger.total_bytes:.1f}% of the device" if ledger.total_bytes else ""
-    ax.set_title(f"zoom on the budget ({_size(budget)}{share})")
+    ax.set_title(f"zoom on the budget ({format_bytes(budget)}{share})")

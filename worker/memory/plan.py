@@ -1,17 +1,14 @@
 """The memory budget, the KV cache size, and the startup checks that explain a plan that cannot work."""
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import re
-from decimal import Decimal
 
+from vramledger.units import GiB, format_bytes
 from worker.memory.device import Device, ProcessMemory
 
 log = logging.getLogger(__name__)
 
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 CUDA_DEFAULT_UTILIZATION = 0.9
 # The CPU shares the host with everything else: without a utilization, take a modest KV cache.
 CPU_DEFAULT_KV_BYTES = 2 * GiB
@@ -19,10 +16,6 @@ CPU_DEFAULT_KV_BYTES = 2 * GiB
 
 class MemoryPlanError(RuntimeError):
     """The memory settings cannot work on this device; the message says what to change."""
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def blocks_per_sequence(max_model_len: int, block_size: int, num_speculative_tokens: int = 0) -> int:
@@ -54,15 +47,16 @@ def budget_bytes(device: Device, utilization: float | None, kv_cache_memory: int
     kv = budget - non_kv_bytes
     if kv > max_usable_kv_bytes:
         log.info("KV cache capped at %s: max_num_seqs x max_model_len cannot use more "
-                 "(%s of the budget stays unused)", _size(max_usable_kv_bytes),
-                 _size(kv - max_usable_kv_bytes))
+                 "(%s of the budget stays unused)", format_bytes(max_usable_kv_bytes),
+                 format_bytes(kv - max_usable_kv_bytes))
     return budget, min(kv, max_usable_kv_bytes)
 
 
 def _below_non_kv_message(device: Device, total: int, utilization: float, budget: int, non_kv: int) -> str:
     needed = math.ceil(non_kv / total * 1000) / 1000
-    message = (f"The memory budget of {_size(budget)} (--memory-utilization {utilization:g} x {_size(total)} "
-               f"on {device}) is {_size(non_kv - budget)} below the {_size(non_kv)} the worker holds before "
+    message = (f"The memory budget of {format_bytes(budget)} (--memory-utilization {utilization:g} x "
+               f"{format_bytes(total)} on {device}) is {format_bytes(non_kv - budget)} below the "
+               f"{format_bytes(non_kv)} the worker holds before "
                f"any KV cache (runtime, weights of every model, activation peak, non-torch memory, "
                f"allocator slack, per-sequence state, the server's requests in flight). ")
     if needed > 1:
@@ -86,18 +80,19 @@ def check_free_memory(device: Device, budget: int, utilization: float | None,
     if available >= budget:
         return
     total = device.total_bytes()
-    held = f" (+ {_size(own_bytes)} this process already holds)" if own_bytes else ""
+    held = f" (+ {format_bytes(own_bytes)} this process already holds)" if own_bytes else ""
     if utilization is not None:
-        requested = f"--memory-utilization {utilization:g} ({_size(budget)} of {_size(total)})"
+        requested = f"--memory-utilization {utilization:g} ({format_bytes(budget)} of {format_bytes(total)})"
         fix = f"Lower --memory-utilization to at most {math.floor(available / total * 100) / 100:.2f}"
     else:
-        requested = f"the budget of {_size(budget)} (memory before the KV cache + the KV cache)"
-        fix = f"Lower --kv-cache-memory by at least {_size(budget - available)}"
-    others = "; ".join(f"pid {p.pid} ({p.name}) {'?' if p.bytes is None else _size(p.bytes)}"
+        requested = f"the budget of {format_bytes(budget)} (memory before the KV cache + the KV cache)"
+        fix = f"Lower --kv-cache-memory by at least {format_bytes(budget - available)}"
+    others = "; ".join(f"pid {p.pid} ({p.name}) {'?' if p.bytes is None else format_bytes(p.bytes)}"
                        for p in foreign_processes)
     holders = (f"Other processes hold memory on this device: {others}." if others else
                "No other process is visible (they may run in another container or pid namespace).")
-    raise MemoryPlanError(f"Free memory on {device} at start is {_size(free)} of {_size(total)}{held}, "
+    raise MemoryPlanError(f"Free memory on {device} at start is {format_bytes(free)} of "
+                          f"{format_bytes(total)}{held}, "
                           f"less than {requested}. {holders} {fix}, or stop the other processes, "
                           f"or use another device.")
 
@@ -111,15 +106,16 @@ def plan_kv_blocks(kv_bytes: int, bytes_per_block: int, block_size: int, max_mod
     per_seq = blocks_per_sequence(max_model_len, block_size, k)
     if kv_bytes <= 0:
         raise MemoryPlanError(
-            f"No memory is left for the KV cache: the budget is {_size(-kv_bytes)} below the memory the "
-            f"worker holds before it. Raise --memory-utilization, or set --kv-cache-memory to at least "
-            f"{_size(per_seq * bytes_per_block)} (one sequence of --max-model-len {max_model_len}).")
+            f"No memory is left for the KV cache: the budget is {format_bytes(-kv_bytes)} below the memory "
+            f"the worker holds before it. Raise --memory-utilization, or set --kv-cache-memory to at least "
+            f"{format_bytes(per_seq * bytes_per_block)} (one sequence of --max-model-len {max_model_len}).")
     num_blocks = kv_bytes // bytes_per_block
     if num_blocks >= per_seq:
         return num_blocks
     lookahead = f" plus {k} speculative lookahead slots" if k else ""
-    message = (f"The KV cache ({_size(kv_bytes)} = {num_blocks} blocks of {block_size} tokens, "
-               f"{_size(bytes_per_block)} each) cannot hold one sequence of --max-model-len {max_model_len}"
+    message = (f"The KV cache ({format_bytes(kv_bytes)} = {num_blocks} blocks of {block_size} tokens, "
+               f"{format_bytes(bytes_per_block)} each) cannot hold one sequence of --max-model-len "
+               f"{max_model_len}"
                f"{lookahead} ({per_seq} blocks). ")
     largest = num_blocks * block_size - k
     if largest >= 1:
@@ -127,36 +123,8 @@ def plan_kv_blocks(kv_bytes: int, bytes_per_block: int, block_size: int, max_mod
                     f"{largest}, or ")
     else:
         message += "Not even a one-token sequence fits: "
-    message += (f"give the KV cache at least {_size((per_seq - num_blocks) * bytes_per_block)} more "
+    message += (f"give the KV cache at least {format_bytes((per_seq - num_blocks) * bytes_per_block)} more "
                 f"(raise --memory-utilization or --kv-cache-memory)")
     if k and num_blocks * block_size >= max_model_len:
         message += f", or lower --num-speculative-tokens to at most {num_blocks * block_size - max_model_len}"
     raise MemoryPlanError(message + ".")
-
-
-class SizeError(ValueError, argparse.ArgumentTypeError):
-    """A size that cannot be parsed; argparse shows its message as is."""
-
-
-# IEC (KiB, Ki, bare K) are powers of 1024, SI with B (KB) powers of 1000, as memory tools spell them.
-_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgt", start=1):
-    _UNITS.update({_p: 1024 ** _i, _p + "i": 1024 ** _i, _p + "ib": 1024 ** _i, _p + "b": 1000 ** _i})
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from "2GiB", "512MiB", "1.5G", "100MB" or "1073741824"."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise SizeError(f"size must not be negative: {text}")
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    if unit is None:
-        raise SizeError(f"invalid size {text!r}: use a number of bytes or a number with a unit, "
-                        f"e.g. 1073741824, 512MiB, 2GiB, 1.5G (K/M/G/T and KiB.. are powers of 1024, "
-                        f"KB/MB/GB/TB powers of 1000)")
-    value = Decimal(match.group(1)) * unit
-    if unit == 1 and value != value.to_integral_value():
-        raise SizeError(f"invalid size {text!r}: a number of bytes must be whole")
-    return int(value)

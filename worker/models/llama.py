@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models import paged_attention, rms_norm, rotate_store
+from worker.kernels import paged_attention, rms_norm, rotate_store
 from worker.models.attention import PagedBatch
-from worker.models.decoder_layers import DecoderForward
+from worker.models.decoder_forward import DecoderForward
 from worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
 from worker.models.rope import RotaryEmbedding, rotate_
 

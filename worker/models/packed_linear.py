@@ -1,8 +1,8 @@
 """Linear weights packed for the CPU's matmuls: this project's kernel where it runs, else oneDNN.
 
-float32 weights on an AVX-512 or AVX2 CPU go to blocked_linear.py (its own kernel: fastest at every row
-count measured, no kernels to build per shape). Elsewhere, and for weights whose outputs do not
-fill whole blocks, oneDNN packs them, as follows.
+float32 weights on an AVX-512 or AVX2 CPU go to kernels/blocked_linear.py (its own kernel: fastest at
+every row count measured, no kernels to build per shape). Elsewhere, and for weights whose outputs do
+not fill whole blocks, oneDNN packs them, as follows.
 
 On this project's AMD CPUs MKL's sgemm takes a generic path: oneDNN over packed weights was 1.2-2x
 faster per pass over the target's projections at 1-80 rows with one thread (bench/packed_linear.py)
@@ -19,7 +19,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from worker.models import blocked_linear
+from worker.kernels import blocked_linear
 
 PACK_BATCH_HINT = 32  # rows the packing is tuned for; any row count is computed correctly
 # Up to 16 rows a pass costs about the same at any count (it reads the weights); above, a padded

@@ -5,19 +5,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # Exit codes: every scenario passed / one failed / none failed but one could not run.
 EXIT_PASSED, EXIT_FAILED, EXIT_INCOMPLETE = 0, 1, 3
-
-
-def size(n: float | None) -> str:
-    if n is None:
-        return "?"
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    if abs(n) >= MiB:
-        return f"{n / MiB:.1f} MiB"
-    return f"{n / KiB:.1f} KiB" if abs(n) >= KiB else f"{n:.0f} B"
 
 
 class CannotRun(Exception):

@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from vramledger.units import format_bytes
 from worker.config import DEFAULT_MODEL
 from worker.memory.device import get_device
 from worker.selfcheck import scenario_draft, scenario_exporter, scenario_ledger, scenario_neighbours
@@ -23,7 +24,6 @@ from worker.selfcheck.report import (
     ScenarioResult,
     exit_code,
     format_table,
-    size,
     to_json,
 )
 from worker.selfcheck.scale import make_scale
@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, large_models=large)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vramledger-selfcheck-"))
-    header = (f"vramledger selfcheck on {device} ({size(total)}), scale {scale.name}: "
+    header = (f"vramledger selfcheck on {device} ({format_bytes(total)}), scale {scale.name}: "
               f"max_model_len {scale.max_model_len}, max_num_seqs {scale.max_num_seqs}")
     print(f"selfcheck: {header}; logs in {workdir}", file=sys.stderr, flush=True)
     start = time.monotonic()

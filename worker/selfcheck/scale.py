@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
+from vramledger.units import GiB, MiB
 from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
-from worker.memory.plan import GiB, MiB, blocks_per_sequence
+from worker.memory.plan import blocks_per_sequence
 from worker.models.packed_linear import packs
 from worker.selfcheck.checkpoints import ELEMENT_BYTES, kv_bytes_per_block, weight_bytes
 

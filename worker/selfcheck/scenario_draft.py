@@ -3,9 +3,10 @@ shrinks by the draft's weights plus the draft's share of every block; then the d
 load stays inside its budget. The draft's size comes from its checkpoint, not from the ledger."""
 from __future__ import annotations
 
+from vramledger.units import format_bytes
 from worker.selfcheck.checkpoints import kv_bytes_per_block
 from worker.selfcheck.context import Context
-from worker.selfcheck.report import Check, ScenarioResult, size
+from worker.selfcheck.report import Check, ScenarioResult
 from worker.selfcheck.scenario_ledger import entry, peak_checks
 from worker.selfcheck.workers import WorkerProcess
 
@@ -27,13 +28,14 @@ def within(measured: float, expected: float, tolerance: float = TOLERANCE) -> bo
 def run(ctx: Context, result: ScenarioResult) -> None:
     s = ctx.scale
     kv_plain = s.no_draft_kv_bytes()
-    ctx.say(f"scenario 2: without the draft, a {size(kv_plain)} KV cache sets the budget")
+    ctx.say(f"scenario 2: without the draft, a {format_bytes(kv_plain)} KV cache sets the budget")
     plain_flags = s.engine_flags(draft=False) + ["--kv-cache-memory", str(kv_plain)]
     with ctx.worker("s2-no-draft", plain_flags) as plain:
         base = plain.ledger()
     budget = base["budget"]["bytes"]
     share = budget / base["device"]["total_bytes"]
-    ctx.say(f"scenario 2: with the draft, the same budget {size(budget)} (--memory-utilization {share:.6g})")
+    ctx.say(f"scenario 2: with the draft, the same budget {format_bytes(budget)} "
+            f"(--memory-utilization {share:.6g})")
     with ctx.worker("s2-draft", s.engine_flags(draft=True) + ["--memory-utilization", repr(share)]) as spec:
         check_draft_run(ctx, result, base, spec)
 
@@ -47,16 +49,19 @@ def check_draft_run(ctx: Context, result: ScenarioResult, base: dict, spec: Work
     target_block = kv_bytes_per_block(s.model, s.block_size, s.element_bytes)
     draft_block = kv_bytes_per_block(s.draft_model, s.block_size, s.element_bytes)
     result.add(Check.compare("same budget", within(mine["budget"]["bytes"], budget, 0.001),
-                             size(mine["budget"]["bytes"]), f"{size(budget)} (the run without the draft)",
+                             format_bytes(mine["budget"]["bytes"]),
+                             f"{format_bytes(budget)} (the run without the draft)",
                              budget_bytes=mine["budget"]["bytes"], expected_bytes=budget))
     declared_weights = entry(mine, "weights", "draft")
     result.add(Check.compare("draft weights in the ledger", within(declared_weights, draft_weights),
-                             size(declared_weights), f"{size(draft_weights)} (checkpoint) ±{TOLERANCE:.0%}",
+                             format_bytes(declared_weights),
+                             f"{format_bytes(draft_weights)} (checkpoint) ±{TOLERANCE:.0%}",
                              measured_bytes=declared_weights, expected_bytes=draft_weights))
     block = mine["kv_cache"]["bytes_per_block"]
-    result.add(Check.compare("KV bytes per block", within(block, target_block + draft_block), size(block),
-                             f"target {size(target_block)} + draft {size(draft_block)}", measured_bytes=block,
-                             expected_bytes=target_block + draft_block))
+    result.add(Check.compare("KV bytes per block", within(block, target_block + draft_block),
+                             format_bytes(block),
+                             f"target {format_bytes(target_block)} + draft {format_bytes(draft_block)}",
+                             measured_bytes=block, expected_bytes=target_block + draft_block))
 
     # Same budget: the KV cache loses the draft's weights and its other measured costs, and what is
     # left is split into blocks that hold the draft's layers too.
@@ -67,8 +72,9 @@ def check_draft_run(ctx: Context, result: ScenarioResult, base: dict, spec: Work
     result.add(Check.compare(
         "KV blocks with the draft", within(blocks, expected_blocks),
         f"{blocks} blocks (without the draft: {base['kv_cache']['blocks_total']})",
-        f"({size(entry(base, 'kv_cache'))} KV - {size(draft_weights)} draft weights - {size(other)} other "
-        f"draft costs) / {size(target_block + draft_block)} = {expected_blocks:.1f} ±{TOLERANCE:.0%}",
+        f"({format_bytes(entry(base, 'kv_cache'))} KV - {format_bytes(draft_weights)} draft weights - "
+        f"{format_bytes(other)} other draft costs) / {format_bytes(target_block + draft_block)} = "
+        f"{expected_blocks:.1f} ±{TOLERANCE:.0%}",
         measured_blocks=blocks, expected_blocks=expected_blocks,
         blocks_without_draft=base["kv_cache"]["blocks_total"], draft_weights_bytes=draft_weights,
         other_draft_bytes=other))

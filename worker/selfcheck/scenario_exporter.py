@@ -8,9 +8,10 @@ import sys
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from vramledger.units import format_bytes
 from worker.selfcheck.context import Context
 from worker.selfcheck.processes import ProcessExited, free_port, wait_http
-from worker.selfcheck.report import CannotRun, Check, ScenarioResult, size
+from worker.selfcheck.report import CannotRun, Check, ScenarioResult
 from worker.selfcheck.scenario_neighbours import Neighbourhood
 
 TITLE = "the exporter sees it"
@@ -63,12 +64,14 @@ def run(ctx: Context, hood: Neighbourhood, result: ScenarioResult) -> None:
         if seen is None or seen.bytes is None or not got:
             unseen = seen is None or seen.bytes is None
             result.add(Check.compare(f"unaccounted ({worker.name})", False,
-                                     size(got[0].value) if got else "not exported",
+                                     format_bytes(got[0].value) if got else "not exported",
                                      "the device does not list the worker" if unseen else "a value"))
             continue
         expected = max(0, seen.bytes - declared)
         value = got[0].value
         result.add(Check.compare(
-            f"unaccounted ({worker.name})", abs(value - expected) <= TOLERANCE * seen.bytes, size(value),
-            f"device view {size(seen.bytes)} - ledger {size(declared)} = {size(expected)} "
+            f"unaccounted ({worker.name})", abs(value - expected) <= TOLERANCE * seen.bytes,
+            format_bytes(value),
+            f"device view {format_bytes(seen.bytes)} - ledger {format_bytes(declared)} = "
+            f"{format_bytes(expected)} "
             f"±{TOLERANCE:.0%} of the view", measured_bytes=value, expected_bytes=expected))

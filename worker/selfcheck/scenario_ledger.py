@@ -2,9 +2,10 @@
 process, at idle and at the peak of a load that fills the KV cache; the peak never above the budget."""
 from __future__ import annotations
 
+from vramledger.units import format_bytes
 from worker.selfcheck.context import Context
 from worker.selfcheck.load import LoadResult, fill_load
-from worker.selfcheck.report import Check, ScenarioResult, size
+from worker.selfcheck.report import Check, ScenarioResult
 from worker.selfcheck.view import settle
 from worker.selfcheck.workers import WorkerProcess
 
@@ -22,10 +23,10 @@ def gap_check(name: str, seen: int | None, expected: int, declared: int, what: s
     """seen within GAP x declared of expected; None (the device does not list the process) fails."""
     if seen is None:
         return Check.compare(name, False, "the device does not list the process",
-                             f"{size(expected)} ±{GAP:.0%}", expected_bytes=expected)
+                             f"{format_bytes(expected)} ±{GAP:.0%}", expected_bytes=expected)
     gap = (seen - expected) / declared
-    return Check.compare(name, abs(gap) <= GAP, f"{size(seen)} ({gap:+.1%} of declared)",
-                         f"{what} = {size(expected)} ±{GAP:.0%}", measured_bytes=seen,
+    return Check.compare(name, abs(gap) <= GAP, f"{format_bytes(seen)} ({gap:+.1%} of declared)",
+                         f"{what} = {format_bytes(expected)} ±{GAP:.0%}", measured_bytes=seen,
                          expected_bytes=expected, declared_bytes=declared, gap=gap)
 
 
@@ -34,7 +35,7 @@ def idle_check(ctx: Context, worker: WorkerProcess, ledger: dict, label: str = "
     declared, activation = ledger["declared_bytes"], entry(ledger, "activation_peak")
     seen = settle(ctx.view, worker.pid)
     return gap_check(f"device view at idle{label}", seen, declared - activation, declared,
-                     f"declared {size(declared)} - activation peak {size(activation)}")
+                     f"declared {format_bytes(declared)} - activation peak {format_bytes(activation)}")
 
 
 def fill_check(load: LoadResult) -> Check:
@@ -52,10 +53,10 @@ def budget_check(peak: int | None, budget: int, slack: float) -> Check:
     """The peak never above the budget (plus the device view's own noise, slack x budget)."""
     if peak is None:
         return Check.compare("peak within the budget", False, "the device does not list the process",
-                             f"<= budget {size(budget)}", budget_bytes=budget)
+                             f"<= budget {format_bytes(budget)}", budget_bytes=budget)
     over = (peak - budget) / budget
-    measured = f"{size(peak)} ({abs(over):.1%} {'over' if over > 0 else 'under'} the budget)"
-    expected = f"<= budget {size(budget)}" + (f" +{slack:.0%} (RSS noise)" if slack else "")
+    measured = f"{format_bytes(peak)} ({abs(over):.1%} {'over' if over > 0 else 'under'} the budget)"
+    expected = f"<= budget {format_bytes(budget)}" + (f" +{slack:.0%} (RSS noise)" if slack else "")
     return Check.compare("peak within the budget", over <= slack, measured, expected, peak_bytes=peak,
                          budget_bytes=budget, over=over, slack=slack)
 
@@ -80,7 +81,7 @@ def peak_checks(ctx: Context, worker: WorkerProcess, ledger: dict, result: Scena
 def run(ctx: Context, result: ScenarioResult) -> None:
     s = ctx.scale
     kv = s.fill_kv_bytes()
-    ctx.say(f"scenario 1: a worker with the pair and a {size(kv)} KV cache")
+    ctx.say(f"scenario 1: a worker with the pair and a {format_bytes(kv)} KV cache")
     with ctx.worker("s1-worker", s.engine_flags(draft=True) + ["--kv-cache-memory", str(kv)]) as worker:
         ledger = worker.ledger()
         result.add(idle_check(ctx, worker, ledger))

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vramledger.units import format_bytes
 from worker.selfcheck.context import Context
 from worker.selfcheck.neighbour import start_neighbour
 from worker.selfcheck.processes import ProcessExited, Started
-from worker.selfcheck.report import CannotRun, Check, ScenarioResult, size
+from worker.selfcheck.report import CannotRun, Check, ScenarioResult
 from worker.selfcheck.scale import PAIR_SHARES
 from worker.selfcheck.scenario_ledger import idle_check
 from worker.selfcheck.view import settle
@@ -36,9 +37,9 @@ def set_up(ctx: Context) -> Neighbourhood:
     total = view.total_bytes()
     need, free = s.pair_needs_free_bytes(total), view.free_bytes()
     if free < need:
-        raise CannotRun(f"needs {size(need)} free on {s.device} for the neighbour and the "
-                        f"{' + '.join(map(str, PAIR_SHARES))} workers; {size(free)} is free")
-    ctx.say(f"scenario 3: a neighbour holding {size(s.neighbour_bytes)}, then two workers at once")
+        raise CannotRun(f"needs {format_bytes(need)} free on {s.device} for the neighbour and the "
+                        f"{' + '.join(map(str, PAIR_SHARES))} workers; {format_bytes(free)} is free")
+    ctx.say(f"scenario 3: a neighbour holding {format_bytes(s.neighbour_bytes)}, then two workers at once")
     neighbour = start_neighbour(ctx.procs, "s3-neighbour", s.device, s.neighbour_bytes)
     hood = Neighbourhood(neighbour, settle(view, neighbour.pid))
     started = []
@@ -72,8 +73,8 @@ def run(ctx: Context, hood: Neighbourhood, result: ScenarioResult) -> None:
               and abs(seen - expected) <= FOREIGN_TOLERANCE * expected)
         result.add(Check.compare(
             f"neighbour foreign at start ({worker.name})", ok,
-            "not listed" if seen is None else f"pid {hood.neighbour.pid}: {size(seen)}",
-            f"pid {hood.neighbour.pid}: {size(expected)} ±{FOREIGN_TOLERANCE:.0%}",
+            "not listed" if seen is None else f"pid {hood.neighbour.pid}: {format_bytes(seen)}",
+            f"pid {hood.neighbour.pid}: {format_bytes(expected)} ±{FOREIGN_TOLERANCE:.0%}",
             measured_bytes=seen, expected_bytes=expected,
             foreign_at_start_bytes=ledger["foreign_at_start"]["bytes"]))
         # A ledger charged with the neighbour or the other worker would sit far above the process.

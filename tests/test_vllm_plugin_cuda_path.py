@@ -1,0 +1,93 @@
+"""The plugin on vLLM's CUDA worker code, the device faked (tests/vllm_cuda_path.py): what vLLM's
+memory profile measured for its process alone and from the device's free memory, and a draft model
+loaded after vLLM sized its budget. Needs the vLLM venv; skipped, saying so, without it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import vllm_peer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(vllm_peer.vllm_python() is None,
+                                reason="no vLLM venv (VLLM_VENV or .venv-vllm): run `make vllm-venv`")
+MiB, GiB = 1 << 20, 1 << 30
+# What tests/vllm_cuda_path.py's device and stand-in runner do.
+TOTAL, NEIGHBOUR_AT_START, CONTEXT = 4 * GiB, 512 * MiB, 300 * MiB
+TARGET_W, DRAFT_W, ACTIVATIONS, WORKSPACES, GRAPHS = 8 * MiB, 2 * MiB, 64 * MiB, 32 * MiB, 16 * MiB
+NEIGHBOUR_GROWTH = 256 * MiB
+
+
+def run_scenario(scenario: str, tmp_path: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    out = subprocess.run([str(vllm_peer.vllm_python()), str(ROOT / "tests" / "vllm_cuda_path.py"), scenario],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def neighbour(tmp_path_factory):
+    return run_scenario("neighbour", tmp_path_factory.mktemp("neighbour"))
+
+
+@pytest.fixture(scope="module")
+def draft_after_profile(tmp_path_factory):
+    return run_scenario("draft_after_profile", tmp_path_factory.mktemp("draft-after-profile"))
+
+
+def entries(ledger: dict) -> dict:
+    return {(e["component"], e["model"]): e for e in ledger["entries"]}
+
+
+def test_profile_entries_say_what_vllm_measured_for_itself_and_from_the_device(neighbour):
+    ledger, device = neighbour["ledger"], neighbour["device"]
+    e = entries(ledger)
+    assert ledger["errors"] == [] and ledger["device"]["kind"] == "cuda"
+    assert (e["runtime", ""]["bytes"], e["runtime", ""]["scope"]) == (CONTEXT, "process")  # NVML, own pid
+    assert (e["weights", "target"]["bytes"], e["weights", "draft"]["bytes"]) == (TARGET_W, DRAFT_W)
+    assert (e["activation_peak", ""]["bytes"], e["activation_peak", ""]["scope"]) == (ACTIVATIONS, "process")
+    # vLLM's non-torch memory is the device's free memory minus torch's: the neighbour's growth during
+    # the profile run is in it. The process's own growth over the same window is not.
+    assert e["non_torch", ""]["scope"] == "device"
+    assert e["non_torch", ""]["bytes"] == WORKSPACES + NEIGHBOUR_GROWTH
+    profile = ledger["profile"]
+    assert profile["non_torch_process_bytes"] == WORKSPACES
+    assert profile["process_growth_bytes"] == TARGET_W + DRAFT_W + WORKSPACES
+    assert profile["consumed_bytes"] == TARGET_W + DRAFT_W + WORKSPACES + NEIGHBOUR_GROWTH
+    assert (e["cuda_graph", ""]["bytes"], e["cuda_graph", ""]["scope"]) == (GRAPHS, "device")
+    assert profile["cuda_graph_estimate_counted"] and profile["cuda_graph_estimate_bytes"] == GRAPHS
+    # The KV cache is what the worker allocated, in whole blocks of what vLLM found available.
+    kv = ledger["kv_cache"]
+    assert e["kv_cache", ""]["bytes"] == kv["blocks_total"] * kv["bytes_per_block"] == neighbour["available"]
+    assert ledger["device"]["total_bytes"] == TOTAL
+    assert ledger["device"]["free_at_start_bytes"] == TOTAL - NEIGHBOUR_AT_START - CONTEXT
+    own = device["context"] + device["torch_reserved"] + device["non_torch"]
+    assert ledger["live"]["process_bytes"] == own
+
+
+def test_budget_counts_what_vllm_charged_it_and_nothing_else(neighbour):
+    ledger = neighbour["ledger"]
+    assert ledger["budget"]["sized_by"] == "utilization"
+    assert ledger["budget"]["bytes"] == neighbour["requested_memory"] == TOTAL // 2
+    e = entries(ledger)
+    assert not e["runtime", ""]["in_budget"]  # held before vLLM's start snapshot
+    assert all(e[k]["in_budget"] for k in e if k != ("runtime", ""))
+    assert sum(x["bytes"] for x in ledger["entries"] if x["in_budget"]) == ledger["budget"]["bytes"]
+
+
+def test_draft_loaded_after_vllm_sized_its_budget_is_outside_it(draft_after_profile):
+    ledger = draft_after_profile["ledger"]
+    e = entries(ledger)
+    assert e["weights", "target"]["in_budget"] and not e["weights", "draft"]["in_budget"]
+    assert e["weights", "draft"]["bytes"] == DRAFT_W
+    in_budget = sum(x["bytes"] for x in ledger["entries"] if x["in_budget"])
+    assert in_budget == ledger["budget"]["bytes"]  # the KV cache took the draft's share
+    assert ledger["declared_bytes"] - ledger["budget"]["bytes"] == CONTEXT + DRAFT_W
+    assert ledger["profile"]["non_torch_process_bytes"] == e["non_torch", ""]["bytes"]  # no neighbour

@@ -1,0 +1,202 @@
+"""The vLLM plugin in a real vLLM (its CPU build), installed the way docs/vllm.md says (pip --no-deps).
+
+Needs the vLLM venv (`make vllm-venv`); skipped, saying so, without it. Three vLLM starts: the plugin
+enabled with the shipped pair, installed but not enabled, and on a vLLM version it was not built for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from local_stack_path import free_port, wait_http
+from prometheus_client.parser import text_string_to_metric_families
+from vllm_plugin_install import install_plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import vllm_peer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(vllm_peer.vllm_python() is None,
+                                reason="no vLLM venv (VLLM_VENV or .venv-vllm): run `make vllm-venv`")
+TARGET = ROOT / "worker" / "assets" / "tiny-coder-target"
+DRAFT = ROOT / "worker" / "assets" / "tiny-coder-draft"
+FAKE_VERSION_DIR = Path(__file__).resolve().parent / "vllm_fake_version"
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory):
+    return install_plugin(vllm_peer.vllm_python(), tmp_path_factory.mktemp("plugin") / "site")
+
+
+@contextmanager
+def running_vllm(tmp_path_factory, name: str, env: dict, **kwargs):
+    """vLLM's OpenAI server on the shipped target, uncompiled (-O0), 1 GiB of KV cache; its cwd is a
+    folder of its own, so no checkout's metadata on sys.path shadows the installed plugin."""
+    folder = tmp_path_factory.mktemp(name)
+    port, log = free_port(), folder / "vllm.log"
+    server = vllm_peer.start_vllm(TARGET, port, log, kv_cache_gib=1, max_model_len=256, extra=["-O0"],
+                                  env=env, cwd=folder, **kwargs)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_http(url + "/health", vllm_peer.STARTUP_TIMEOUT, server)
+        except (RuntimeError, TimeoutError) as e:
+            pytest.fail(f"{e}\n{log.read_text()[-3000:]}")
+        yield server, url, log
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)  # its own session: the engine core and workers go too
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def with_plugin(tmp_path_factory, plugin_site):
+    env = {"PYTHONPATH": str(plugin_site), "VLLM_PLUGINS": "vramledger"}
+    with running_vllm(tmp_path_factory, "enabled", env, draft=DRAFT) as running:
+        yield running
+
+
+def checkpoint_tensor_bytes(model_dir: Path) -> int:
+    """The tensors' bytes in a safetensors checkpoint, from its header (no tensor is read)."""
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        total += sum(end - start for name, t in header.items() if name != "__metadata__"
+                     for start, end in [t["data_offsets"]])
+    return total
+
+
+def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
+    """Keys and values of one token in every layer of a model, from its config."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def cache_config_info(url: str) -> dict:
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name == "vllm:cache_config_info":
+            return family.samples[0].labels
+    raise AssertionError("vLLM's /metrics has no vllm:cache_config_info")
+
+
+def complete(url: str) -> str:
+    response = httpx.post(url + "/v1/completions", timeout=60,
+                          json={"model": str(TARGET), "prompt": "def add(a, b):", "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_ledger_has_weights_per_model_and_the_kv_cache_vllm_allocated(with_plugin):
+    server, url, _ = with_plugin
+    response = httpx.get(url + "/vramledger/memory", timeout=30)
+    assert response.status_code == 200, response.text
+    doc = response.json()
+    assert (doc["version"], doc["engine"], doc["engine_version"]) == (1, "vllm", "0.32.0")
+    [rank] = doc["ranks"]
+    assert rank["rank"] == 0 and rank["errors"] == []
+    entries = {(e["component"], e["model"]): e for e in rank["entries"]}
+
+    # Each model's weights as vLLM holds them, against the tensors of its checkpoint.
+    for model, path in (("target", TARGET), ("draft", DRAFT)):
+        held, checkpoint = entries["weights", model]["bytes"], checkpoint_tensor_bytes(path)
+        assert abs(held - checkpoint) <= 0.02 * checkpoint, (model, held, checkpoint)
+    assert rank["models"] == {"target": str(TARGET), "draft": str(DRAFT)}
+    # Both tie their LM head to the embedding, which the CPU backend keeps for lookups and packs for
+    # its matmul kernel twice (as the embedding layer and as the head): two kernel-only copies each.
+    for model, path in (("target", TARGET), ("draft", DRAFT)):
+        config = json.loads((path / "config.json").read_text())
+        assert entries["kernels", model]["bytes"] == 2 * config["vocab_size"] * config["hidden_size"] * 4
+
+    # The KV cache vLLM allocated: its blocks hold the target's and the draft's layers.
+    info = cache_config_info(url)
+    blocks, block_size = int(info["num_gpu_blocks"]), int(info["block_size"])
+    per_block = block_size * (kv_bytes_per_token(TARGET) + kv_bytes_per_token(DRAFT))
+    assert entries["kv_cache", ""]["bytes"] == blocks * per_block
+    assert rank["kv_cache"]["blocks_total"] == blocks and rank["kv_cache"]["bytes_per_block"] == per_block
+    assert rank["kv_cache"]["sized_bytes"] == 1 * GiB == rank["budget"]["kv_cache_memory"]
+
+    # The CPU backend runs no memory profile and sizes its KV cache as told: no such entries, no budget.
+    assert {c for c, _ in entries} <= {"runtime", "weights", "kernels", "kv_cache"}
+    assert rank["profile"] is None
+    assert rank["budget"]["sized_by"] == "kv_cache_memory" and rank["budget"]["bytes"] is None
+    assert all(e["scope"] == "process" and e["in_budget"] is None for e in rank["entries"])
+
+    # The rank is a process of the server's tree, and what it holds now is read from its RSS.
+    tree = {p.pid for p in psutil.Process(server.pid).children(recursive=True)}
+    assert rank["worker"]["pid"] in tree
+    assert rank["device"]["kind"] == "cpu" and rank["live"]["process_source"] == "rss"
+    assert rank["declared_bytes"] == sum(e["bytes"] for e in rank["entries"])
+    rss = psutil.Process(rank["worker"]["pid"]).memory_info().rss
+    assert 0.5 * rss < rank["live"]["process_bytes"] < 2 * rss
+    assert 0 < entries["runtime", ""]["bytes"] < rank["live"]["process_bytes"]
+    assert complete(url)  # and vLLM serves as ever
+
+
+def test_plugin_imports_neither_the_worker_nor_the_exporter(plugin_site):
+    code = ("import sys, vramledger.vllm_plugin.hooks, vramledger.vllm_plugin.endpoint; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'worker', 'exporter'}))")
+    out = subprocess.run([str(vllm_peer.vllm_python()), "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(plugin_site)), cwd=plugin_site, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
+
+
+REGISTER = """
+import os, vllm.version
+from vllm.v1.worker.worker_base import WorkerBase
+from vramledger.vllm_plugin import register
+original, patched = WorkerBase.__init__, []
+cases = [("0.99.0", "vramledger"), ("0.32.0", None), ("0.32.0", "other"), ("0.32.0", "vramledger")]
+for version, plugins in cases:  # install() cannot be undone: the one case that patches comes last
+    vllm.version.__version__ = version
+    os.environ.pop("VLLM_PLUGINS", None) if plugins is None else os.environ.update(VLLM_PLUGINS=plugins)
+    register()
+    patched.append(WorkerBase.__init__ is not original)
+print(patched)
+"""
+
+
+def test_worker_hooks_go_in_only_where_enabled_on_a_supported_version(plugin_site):
+    out = subprocess.run([str(vllm_peer.vllm_python()), "-c", REGISTER], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(plugin_site)), cwd=plugin_site, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[False, False, False, True]"
+
+
+def lines_saying(log: Path, pattern: str) -> list[str]:
+    """The log's lines matching pattern, but for uvicorn's access lines ("INFO:     ... GET /...")."""
+    return [line for line in log.read_text().splitlines()
+            if re.search(pattern, line) and not line.startswith("INFO:")]
+
+
+def test_installed_but_not_enabled_vllm_serves_and_says_why(tmp_path_factory, plugin_site):
+    env = {"PYTHONPATH": str(plugin_site), "VLLM_PLUGINS": None}
+    with running_vllm(tmp_path_factory, "not-enabled", env) as (_, url, log):
+        assert complete(url)
+        assert httpx.get(url + "/vramledger/memory").status_code == 404
+        [why] = lines_saying(log, r"vramledger")  # vLLM's own: endpoint plugins need VLLM_PLUGINS
+        assert "VLLM_PLUGINS is not set" in why
+
+
+def test_unsupported_vllm_version_serves_and_says_why(tmp_path_factory, plugin_site):
+    env = {"PYTHONPATH": f"{FAKE_VERSION_DIR}{os.pathsep}{plugin_site}", "VLLM_PLUGINS": "vramledger",
+           "FAKE_VLLM_VERSION": "0.99.0"}
+    with running_vllm(tmp_path_factory, "unsupported", env) as (_, url, log):
+        assert httpx.get(url + "/version").json()["version"] == "0.99.0"  # the simulation took
+        assert complete(url)
+        assert httpx.get(url + "/vramledger/memory").status_code == 404
+        [why] = lines_saying(log, r"vramledger: ")
+        assert "vLLM 0.99.0 is not a version this plugin was built for" in why

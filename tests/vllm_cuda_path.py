@@ -1,0 +1,217 @@
+"""vLLM's CUDA worker (vllm/v1/worker/gpu_worker.py Worker) started here on a faked device, with the plugin.
+
+    PYTHONPATH=.:tests <vLLM venv>/bin/python tests/vllm_cuda_path.py SCENARIO
+
+No GPU here, so the device is faked, and only the device: torch.accelerator's memory calls, the
+platform's "is this CUDA" answers, the kernel warm-up and NVML (tests/fake_pynvml.py) all act on
+FakeCuda, a device shared by this process and a neighbour. The model runner is a stand-in for vLLM's
+GPU runner that does its device work as allocations on FakeCuda (it loads the models, runs the
+profile step, allocates the KV cache, captures graphs). Between them runs vLLM's own worker code:
+Worker.__init__, init_device (the CUDA branch), load_model, determine_available_memory (its start
+snapshot, request_memory, memory_profiling and the budget arithmetic), initialize_from_config and
+compile_or_warm_up_model.
+Prints {"ledger": <the rank's ledger>, "device": <what FakeCuda saw>} as JSON.
+
+Scenarios: "neighbour" (another process allocates on the device during vLLM's profile run: vLLM
+counts it as its own non-torch memory), "draft_after_profile" (the draft loads only after vLLM
+sized its KV cache: its weights are outside the budget, as in vLLM V0).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+from fake_pynvml import FakeGpu, FakeProcess, FakePynvml
+from torch import nn
+
+MiB, GiB = 1 << 20, 1 << 30
+NEIGHBOUR_PID = 999_999
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker", "assets")
+TARGET, DRAFT = os.path.join(ASSETS, "tiny-coder-target"), os.path.join(ASSETS, "tiny-coder-draft")
+os.environ["VLLM_NO_USAGE_STATS"] = "1"  # its report reads the (absent) GPU's properties
+
+
+@dataclass
+class FakeCuda:
+    """One device: this process's CUDA context, torch's allocator and other memory, and a neighbour's."""
+
+    total: int = 4 * GiB
+    neighbour: int = 512 * MiB
+    context: int = 0  # created when the process selects the device
+    torch_allocated: int = 0
+    torch_reserved: int = 0
+    torch_peak: int = 0
+    non_torch: int = 0  # this process's, outside torch's allocator (cuBLAS workspaces, NCCL)
+
+    def ours(self) -> int:
+        return self.context + self.torch_reserved + self.non_torch
+
+    def free(self) -> int:
+        return self.total - self.neighbour - self.ours()
+
+    def allocate(self, nbytes: int) -> None:
+        self.torch_allocated += nbytes
+        self.torch_reserved = max(self.torch_reserved, self.torch_allocated)
+        self.torch_peak = max(self.torch_peak, self.torch_allocated)
+
+    def release(self, nbytes: int) -> None:  # the allocator keeps it cached until empty_cache
+        self.torch_allocated -= nbytes
+
+    def empty_cache(self) -> None:
+        self.torch_reserved = self.torch_allocated
+
+
+def fake_the_device(cuda: FakeCuda) -> None:
+    """torch.accelerator, the platform's CUDA answers and NVML, all reading cuda."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker import gpu_worker
+
+    acc = torch.accelerator
+    acc.get_memory_info = lambda device=None: (cuda.free(), cuda.total)
+    acc.memory_stats = lambda device=None: {"allocated_bytes.all.peak": cuda.torch_peak,
+                                            "allocated_bytes.all.current": cuda.torch_allocated}
+    acc.memory_reserved = lambda device=None: cuda.torch_reserved
+    acc.empty_cache = cuda.empty_cache
+    acc.reset_peak_memory_stats = lambda device=None: setattr(cuda, "torch_peak", cuda.torch_allocated)
+    acc.synchronize = lambda device=None: None
+    acc.device_count = lambda: 1
+    acc.set_device_index = lambda device: setattr(cuda, "context", 300 * MiB)
+    torch.cuda.memory.get_allocator_backend = lambda: "cudaMallocAsync"  # no split settings to scope
+    # The kernel warm-up is device work too (and its imports need torchvision, which vLLM's CPU venv lacks).
+    gpu_worker.kernel_warmup = lambda worker, **kwargs: None
+    platform = type(current_platform)
+    platform.is_cuda_alike = lambda self=None: True
+    platform.is_integrated_gpu = lambda self=None, index=None: False
+    platform.logical_device_id_to_visible_device_id = lambda self=None, index=0: index
+    platform.check_if_supports_dtype = lambda self=None, dtype=None: None
+
+    class Nvml(FakePynvml):
+        def nvmlDeviceGetComputeRunningProcesses(self, handle):
+            handle.processes = [FakeProcess(os.getpid(), "python", cuda.ours()),
+                                FakeProcess(NEIGHBOUR_PID, "neighbour", cuda.neighbour)]
+            return super().nvmlDeviceGetComputeRunningProcesses(handle)
+
+    sys.modules["pynvml"] = Nvml([FakeGpu("GPU-fake", total=cuda.total)])
+
+
+class StandInRunner:
+    """A GPU model runner's device work, done as allocations on FakeCuda; vLLM's Worker drives it."""
+
+    is_pooling_model = False
+    lora_config = None
+
+    def __init__(self, cuda: FakeCuda, draft_after_profile: bool, neighbour_growth: int):
+        self.cuda, self.draft_after_profile = cuda, draft_after_profile
+        self.neighbour_growth = neighbour_growth
+        self.model = self.draft = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def _load(self, nbytes: int) -> nn.Module:
+        model = nn.Linear(nbytes // 4096, 1024, bias=False)  # float32: nbytes of weights
+        self.cuda.allocate(nbytes)
+        return model
+
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        self.model = self._load(8 * MiB)
+        if not self.draft_after_profile:
+            self.draft = self._load(2 * MiB)
+        self.model_memory_usage = self.cuda.torch_allocated
+
+    def get_model(self) -> nn.Module:
+        return self.model
+
+    def get_draft_model(self) -> nn.Module | None:
+        return self.draft
+
+    def profile_run(self, randomize_inputs: bool = False) -> None:
+        self.cuda.allocate(64 * MiB)  # the largest step's activations
+        self.cuda.release(64 * MiB)
+        self.cuda.non_torch += 32 * MiB  # cuBLAS workspaces, created on the first matmul
+        self.cuda.neighbour += self.neighbour_growth  # another process allocates meanwhile
+
+    def initialize_kv_cache(self, kv_cache_config, kv_cache_allocation_context=None) -> None:
+        for tensor in kv_cache_config.kv_cache_tensors:
+            self.kv_caches.append(torch.empty(tensor.size, dtype=torch.uint8))  # untouched: no host RSS
+            self.cuda.allocate(tensor.size)
+        if self.draft_after_profile:
+            self.draft = self._load(2 * MiB)
+
+    def profile_cudagraph_memory(self) -> int:
+        free = self.cuda.free()
+        self.cuda.allocate(16 * MiB)  # graphs captured into a pool, measured, then released
+        measured = free - self.cuda.free()
+        self.cuda.release(16 * MiB)
+        self.cuda.empty_cache()
+        return measured
+
+    def capture_model(self) -> int:
+        free = self.cuda.free()
+        self.cuda.allocate(16 * MiB)  # the graph pool, kept
+        return free - self.cuda.free()
+
+    def _dummy_run(self, num_tokens: int, **kwargs):
+        return None, None
+
+    def _dummy_sampler_run(self, hidden_states) -> None:
+        pass
+
+    def maybe_remove_all_loras(self, lora_config) -> None:
+        pass
+
+
+def kv_cache_config(available: int):
+    """The engine core's answer to the worker's available memory: as many 16-token blocks as fit."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=32, dtype=torch.float32)
+    page = spec.page_size_bytes
+    blocks = available // page
+    size = blocks * page
+    tensor = KVCacheTensor(size=size, layers=["layers.0"], layer_stride=size, block_stride=page)
+    return KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
+
+
+def run(scenario: str) -> dict:
+    from vllm.config import CUDAGraphMode, set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vramledger.vllm_plugin.hooks import RPC_METHOD, install
+
+    cuda = FakeCuda()
+    fake_the_device(cuda)
+    install()  # what the general plugin does when VLLM_PLUGINS names it
+    speculative = {"model": DRAFT, "num_speculative_tokens": 4, "method": "draft_model"}
+    config = EngineArgs(model=TARGET, dtype="float32", max_model_len=256, gpu_memory_utilization=0.5,
+                        speculative_config=speculative, enforce_eager=False).create_engine_config()
+    config.device_config.device_type = "cuda"
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL  # graphs, estimated in the budget
+    config.kernel_config.enable_jit_warmup = False
+
+    class FakeDeviceWorker(Worker):
+        def _make_model_runner(self):
+            return StandInRunner(cuda, scenario == "draft_after_profile",
+                                 neighbour_growth=256 * MiB if scenario == "neighbour" else 0)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(config):  # as vLLM's WorkerWrapperBase calls its worker
+        worker = FakeDeviceWorker(vllm_config=config, local_rank=0, rank=0,
+                                  distributed_init_method=f"tcp://127.0.0.1:{port}", is_driver_worker=True)
+        worker.init_device()
+        worker.load_model()
+        available = worker.determine_available_memory()
+        worker.initialize_from_config(kv_cache_config(available))
+        worker.compile_or_warm_up_model()
+    return {"ledger": getattr(worker, RPC_METHOD)(), "device": asdict(cuda), "available": available,
+            "requested_memory": worker.requested_memory}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1])))  # the last line of stdout (vLLM logs there too)

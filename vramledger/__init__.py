@@ -1,0 +1,1 @@
+"""The torch-free vocabulary and plug-ins shared by the worker, the exporter and vLLM."""

@@ -1,0 +1,194 @@
+"""Where the plugin listens in vLLM 0.32's worker: each call's original runs unchanged, then is noted.
+
+Every vLLM worker (CPUWorker, the CUDA Worker and their kin) passes through WorkerBase.__init__;
+there each new worker gets its own wrappers (instance attributes: the classes stay as they are)
+and the RPC method the endpoint calls. Two names of vllm/v1/worker/gpu_worker.py are wrapped
+where that module looks them up, request_memory (right after the start snapshot) and
+memory_profiling (vLLM's profile result), because the worker keeps neither whole.
+A hook that fails is logged and its entry left out of the ledger; vLLM never sees the error.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+from vramledger.vllm_plugin.process_memory import ProcessMemory
+from vramledger.vllm_plugin.rank_ledger import document, loaded_models
+from vramledger.vllm_plugin.record import ProfileFacts, StartupRecord
+
+log = logging.getLogger("vllm.plugins.vramledger")
+
+RPC_METHOD = "vramledger_ledger"  # the worker method GET /vramledger/memory reaches through collective_rpc
+_installed = False
+_active: list = []  # the worker whose wrapped call runs now: gpu_worker's helpers record into it
+
+
+def install() -> None:
+    """Wrap WorkerBase.__init__ so that every worker this process creates is recorded (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    original = WorkerBase.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _guarded(None, "attach", attach, self)
+
+    WorkerBase.__init__ = __init__
+    _installed = True
+
+
+def attach(worker) -> None:
+    """Give one worker its record, its wrappers and the RPC method that returns its ledger."""
+    _patch_gpu_worker_module()
+    record = worker.vramledger_record = StartupRecord()
+    setattr(worker, RPC_METHOD, lambda: document(worker, record))
+    _wrap(worker, worker, "init_device", after=_started)
+    _wrap(worker, worker, "determine_available_memory", before=_sizing, after=_sized)
+    _wrap(worker, worker, "initialize_from_config", before=_kv_cache_config)
+
+
+# --- the worker's start-up calls, in vLLM's order ---
+def _started(worker, record: StartupRecord, _result) -> None:
+    if record.memory is None:  # no start snapshot went through request_memory: vLLM's CPU worker
+        device = worker.device
+        record.memory = ProcessMemory(device.type, device.index or 0)
+        record.process_at_start_bytes = record.memory.read()
+        if device.type == "cpu":
+            node = _cpu_memory_node()
+            record.total_bytes, record.free_at_start_bytes = node.total_memory, node.available_memory
+    runner = getattr(worker, "model_runner", None)
+    if runner is not None and hasattr(runner, "capture_model"):
+        _wrap(worker, runner, "capture_model", after=_captured)
+
+
+def _sizing(worker, record: StartupRecord) -> None:
+    record.budget_models = frozenset(loaded_models(worker.model_runner))
+
+
+def _sized(worker, record: StartupRecord, kv_bytes) -> None:
+    record.kv_cache_sized_bytes = int(kv_bytes)
+    if worker.cache_config.kv_cache_memory_bytes is not None:  # vLLM held itself to nothing else
+        record.sized_by = "kv_cache_memory"
+        return
+    record.sized_by = "utilization"
+    # The CUDA worker sizes against requested_memory, the CPU worker against requested_cpu_memory.
+    budget = getattr(worker, "requested_memory", None) or getattr(worker, "requested_cpu_memory", None)
+    record.budget_bytes = None if budget is None else int(budget)
+    estimate = getattr(worker, "cudagraph_memory_estimate", None)
+    if estimate is not None:
+        from vllm import envs
+
+        record.cuda_graph_estimate_bytes = int(estimate)
+        record.cuda_graph_estimate_counted = bool(envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS and estimate)
+
+
+def _kv_cache_config(worker, record: StartupRecord, kv_cache_config) -> None:
+    record.blocks_total = int(kv_cache_config.num_blocks)
+    record.block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+
+
+def _captured(_worker, record: StartupRecord, nbytes) -> None:
+    record.cuda_graph_bytes = int(nbytes or 0)
+
+
+# --- gpu_worker's helpers, recorded into the worker that is starting ---
+def _request_memory(original, init_snapshot, *args, **kwargs):
+    requested = original(init_snapshot, *args, **kwargs)
+    if _active:
+        worker = _active[-1]
+        _guarded(worker.vramledger_record, "the start snapshot", _start_snapshot, worker, init_snapshot)
+    return requested
+
+
+def _start_snapshot(worker, init_snapshot) -> None:
+    record = worker.vramledger_record
+    device = init_snapshot.device_
+    record.memory = ProcessMemory(device.type, device.index or 0, _torch_uuid(device))
+    record.process_at_start_bytes = record.memory.read()
+    record.total_bytes, record.free_at_start_bytes = init_snapshot.total_memory, init_snapshot.free_memory
+
+
+@contextlib.contextmanager
+def _memory_profiling(original, baseline_snapshot, *args, **kwargs):
+    with original(baseline_snapshot, *args, **kwargs) as result:
+        yield result
+    if _active:
+        record = _active[-1].vramledger_record
+        _guarded(record, "the memory profile", _profiled, record, result)
+
+
+def _profiled(record: StartupRecord, result) -> None:
+    now = record.memory.read() if record.memory is not None else None
+    start = record.process_at_start_bytes
+    record.profile = ProfileFacts(
+        consumed_bytes=int(result.total_consumed),
+        torch_increase_bytes=int(result.after_profile.torch_memory - result.before_create.torch_memory),
+        non_torch_increase_bytes=int(result.non_torch_increase),
+        peak_headroom_bytes=int(result.transient_peak_headroom),
+        weights_bytes=int(result.weights_memory),
+        non_kv_bytes=int(result.non_kv_cache_memory),
+        process_growth_bytes=None if now is None or start is None else now - start)
+
+
+def _patch_gpu_worker_module() -> None:
+    from vllm.v1.worker import gpu_worker
+
+    for name, hook in (("request_memory", _request_memory), ("memory_profiling", _memory_profiling)):
+        original = getattr(gpu_worker, name)
+        if not getattr(original, "_vramledger", False):
+            wrapper = functools.wraps(original)(functools.partial(hook, original))
+            wrapper._vramledger = True
+            setattr(gpu_worker, name, wrapper)
+
+
+# --- plumbing ---
+def _wrap(worker, obj, name: str, before=None, after=None) -> None:
+    """Replace obj.name (the worker's or its runner's) on the instance by the original with notes around it:
+    before(worker, record, *args), after(worker, record, result)."""
+    original, record = getattr(obj, name), worker.vramledger_record
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if before is not None:
+            _guarded(record, name, before, worker, record, *args, **kwargs)
+        _active.append(worker)
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _active.pop()
+        if after is not None:
+            _guarded(record, name, after, worker, record, result)
+        return result
+
+    setattr(obj, name, wrapper)
+
+
+def _guarded(record: StartupRecord | None, what: str, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # the plugin must never break vLLM: the entry is left out instead
+        message = f"vramledger: recording {what} failed ({type(e).__name__}: {e}); the ledger leaves it out"
+        if record is not None:
+            record.errors.append(message)
+        log.warning(message)
+
+
+def _cpu_memory_node():
+    """The memory node vLLM's CPU worker sizes against, read as vLLM reads it."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    return get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
+
+
+def _torch_uuid(device) -> str | None:
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:
+        return None

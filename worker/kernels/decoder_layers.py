@@ -1,0 +1,87 @@
+"""A decode or verify step's whole forward in one C call (decoder_layers.c), float32 on AVX-512 or
+AVX2 CPUs with blocked weights (blocked_linear.py): the embeddings and RoPE angles, every layer, the
+final norm and the head. models/decoder_forward.py lays a model out for it.
+
+Layer by layer in torch a step made ~13 calls a layer, each a dispatch from Python and, for the C
+kernels, a parallel region of its own: on the shipped target about 1.6 ms of an 11.7 ms step at
+32 rows went to Python and small ops, and every region ends as late as its slowest thread, which
+a client on the same cores preempts. Here one region runs the forward, its threads meeting at a
+barrier between stages. Around the layers, the embedding, RoPE's cos and sin, the gather of the
+rows with logits, the final norm and the head were ~10 more ops: 0.33 ms of the draft's 0.55 ms
+forward at 4 rows, 0.5 ms of the target's. A prompt's prefill (every row from position 0) keeps
+torch (SDPA over its own tokens).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from worker.kernels import native, paged_attention
+
+WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
+           "down_bias")
+
+
+class Layer(ctypes.Structure):
+    """decoder_layers.c's `struct layer`: one layer's weight addresses (a bias may be None)."""
+    _fields_ = [*((name, ctypes.c_void_p) for name in WEIGHTS), ("window", ctypes.c_int64)]
+
+
+class Ends(ctypes.Structure):
+    """decoder_layers.c's `struct ends`: the model around its layers (head None: the caller's)."""
+    _fields_ = [("embed", ctypes.c_void_p), ("inv_freq", ctypes.c_void_p), ("rope_scaling", ctypes.c_float),
+                ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("vocab", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The model's sizes the call takes besides its weights."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inner: int
+    eps: float
+
+
+@functools.cache
+def _kernel():
+    int64, pointer, single = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    return native.function("decoder_layers", "decoder_forward", pointer, int64, pointer, pointer, pointer,
+                           int64, int64, int64, int64, int64, int64, int64, single, pointer, pointer, int64,
+                           pointer, pointer, int64, pointer, pointer, pointer, int64, single, pointer, int64,
+                           pointer, pointer, ctypes.c_int)
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, ids: torch.Tensor,
+                    positions: torch.Tensor, write_slots: torch.Tensor, write_rows: torch.Tensor | None,
+                    keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                    logits_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids, positions [B, Q]; write_slots [n] where tokens write_rows [n] of the flattened [B * Q] (None:
+    the first n) store their keys and values; keys, values [layers, slots, kvH, D], dense; slots [B, C]
+    the cache slot of each context position; lengths [B]. Returns the last layer's output x [B, Q, hidden]
+    and the logits [B, n, vocab] at logits_index [B, n] (None where ends.head is None)."""
+    B, Q = ids.shape
+    n, M, D = logits_index.shape[1], B * Q, dims.head_dim
+    floats = {"dtype": torch.float32, "device": keys.device}
+    x = torch.empty(B, Q, dims.hidden, **floats)
+    logits = torch.empty(B, n, ends.vocab, **floats) if ends.head is not None else None
+    work = torch.empty(M * (2 * dims.hidden + (2 * dims.heads + 2 * dims.kv_heads + 1) * D + 3 * dims.inner),
+                       **floats)
+    ids, slots, positions, lengths, write_slots, logits_index = (t.to(torch.int64).contiguous() for t in (
+        ids, slots, positions, lengths, write_slots, logits_index))
+    rows = None if write_rows is None else write_rows.to(torch.int64).contiguous()
+    _kernel()(layers, len(layers), ctypes.byref(ends), ids.data_ptr(), x.data_ptr(), B, Q, dims.hidden,
+              dims.heads, dims.kv_heads, D, dims.inner, dims.eps, None if rows is None else rows.data_ptr(),
+              write_slots.data_ptr(), write_slots.numel(), keys.data_ptr(), values.data_ptr(),
+              keys[0].numel(), slots.data_ptr(), positions.data_ptr(), lengths.data_ptr(), slots.shape[1],
+              paged_attention.scale(D), logits_index.data_ptr(), n,
+              None if logits is None else logits.data_ptr(), work.data_ptr(), torch.get_num_threads())
+    return x, logits

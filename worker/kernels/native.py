@@ -1,0 +1,88 @@
+"""The build of the CPU kernels this project writes in C (worker/kernels/*.c): compiled and loaded here.
+
+Each source is compiled on first use with the system's C compiler (under a second) into
+~/.cache/vramledger/kernels, named by a hash of the source, the headers beside it and the flags,
+and loaded with ctypes after torch, so the kernels' OpenMP threads are torch's own pool. They are
+built for AVX-512 where the CPU has it, and for AVX2 and FMA where it has those only: vec16.h then
+makes each 16-lane vector a pair of 256-bit ones. Where neither or the compiler is missing, `load`
+returns None (saying why once) and callers keep torch's ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+LIBRARIES = ["-lm"]  # after the source: the linker keeps only libraries that something before them needs
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}  # torch's name for the CPU's level
+
+
+def isa() -> str | None:
+    """The instruction set the kernels are built for on this CPU, or None where they cannot run.
+    torch reports AVX2 only where FMA is present too (its own AVX2 kernels use it)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return next((name for name in ISA_FLAGS if capability.startswith(name)), None)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "vramledger" / "kernels"
+
+
+def build(source: Path, into: Path | None = None, target_isa: str = "AVX512") -> Path:
+    """The shared library for this source and instruction set, compiled unless the cache holds it."""
+    compiler = os.environ.get("CC", "cc")
+    flags = FLAGS + ISA_FLAGS[target_isa]
+    # The headers beside the source count too: a change to one rebuilds every kernel.
+    text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
+    key = hashlib.sha256(text + " ".join([compiler, *flags, *LIBRARIES]).encode()).hexdigest()[:16]
+    into = into or cache_dir()
+    into.mkdir(parents=True, exist_ok=True)
+    library = into / f"{source.stem}-{key}.so"
+    if not library.exists():
+        # Built under a private name and renamed: processes starting together never load half a file.
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=into)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *flags, str(source), *LIBRARIES, "-o", partial], check=True,
+                           capture_output=True, text=True, timeout=120)
+            os.replace(partial, library)
+        finally:
+            Path(partial).unlink(missing_ok=True)
+    return library
+
+
+@functools.cache
+def load(stem: str) -> ctypes.CDLL | None:
+    """The library built from HERE/<stem>.c, or None where it cannot run."""
+    level = isa()
+    if level is None:
+        log.info("neither AVX-512 nor AVX2 on this CPU: %s stays with torch's ops", stem)
+        return None
+    try:
+        return ctypes.CDLL(str(build(HERE / f"{stem}.c", target_isa=level)))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("the %s kernel could not be built (%s): torch's ops run instead", stem,
+                    getattr(e, "stderr", None) or e)
+        return None
+
+
+def function(stem: str, name: str, *argtypes) -> ctypes._CFuncPtr | None:
+    """A kernel's C function with its argument types set, or None where the library cannot run."""
+    library = load(stem)
+    if library is None:
+        return None
+    found = getattr(library, name)
+    found.argtypes, found.restype = list(argtypes), None
+    return found

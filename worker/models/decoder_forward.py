@@ -1,0 +1,64 @@
+"""A model laid out for the one-call forward of decode and verify steps (kernels/decoder_layers.py):
+which models and steps it takes, and a step's call."""
+from __future__ import annotations
+
+import torch
+
+from worker.kernels import blocked_linear, decoder_layers, paged_attention
+from worker.models.attention import PagedBatch
+
+
+class DecoderForward:
+    """A model's weights' addresses, taken once (the tensors are held here, so an address never
+    outlives its tensor)."""
+
+    def __init__(self, model):
+        config = model.config
+        attn = model.model.layers[0].self_attn
+        self.dims = decoder_layers.Dims(config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                        config.intermediate_size, model.model.layers[0].input_layernorm.eps)
+        self.tensors = []
+        layers = []
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            weights = (layer.input_layernorm.weight, a.qkv_weight, a.qkv_bias, a.o_proj.weight, a.o_proj.bias,
+                       layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.gate_up_bias,
+                       mlp.down_proj.weight, mlp.down_proj.bias)
+            self.tensors += [w for w in weights if w is not None]
+            layers.append(decoder_layers.Layer(*(None if w is None else w.data_ptr() for w in weights),
+                                               a.window or 0))
+        self.layers = (decoder_layers.Layer * len(layers))(*layers)
+        # A head that is not blocked (its rows not whole blocks of 16) is left to the caller.
+        head = model.lm_head.weight
+        self.has_head = blocked_linear.is_blocked(head)
+        ends = (model.model.embed_tokens.weight, model.rotary.inv_freq, model.model.norm.weight, head)
+        self.tensors += ends
+        self.ends = decoder_layers.Ends(ends[0].data_ptr(), ends[1].data_ptr(), model.rotary.scaling,
+                                        ends[2].data_ptr(), head.data_ptr() if self.has_head else None,
+                                        config.vocab_size)
+
+    @staticmethod
+    def fits(model) -> bool:
+        """Whether this model can run in the kernel: float32 blocked layer weights and embeddings, SiLU,
+        and a head_dim paged attention takes."""
+        weights = [getattr(m, name) for m, name, _ in model.projections()[:-1]]  # all but the head
+        return (decoder_layers.available() and model.config.hidden_act == "silu"
+                and paged_attention.takes_head_dim(model.head_dim)
+                and model.model.embed_tokens.weight.dtype == torch.float32
+                and all(blocked_linear.is_blocked(w) and w.dtype == torch.float32 for w in weights))
+
+    def runs_on(self, kv_cache: torch.Tensor, batch: PagedBatch) -> bool:
+        """Whether this step can: not a prompt's prefill, a dense float32 cache on the CPU, eager, and a
+        thread's attention scores within paged_attention's limit."""
+        return (not batch.from_start and kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu"
+                and kv_cache.is_contiguous() and not torch.compiler.is_compiling()
+                and paged_attention.fits(batch.input_ids.shape[1], self.dims.heads,
+                                         batch.gather_slots.shape[1]))
+
+    def __call__(self, batch: PagedBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's output x [B, Q, hidden], and the logits [B, n, V] at batch.logits_index
+        (None where the head is left to the caller)."""
+        return decoder_layers.decoder_forward(
+            self.layers, self.ends, self.dims, batch.input_ids, batch.positions, batch.write_slots,
+            batch.write_rows, kv_cache[0], kv_cache[1], batch.gather_slots, batch.context_lens,
+            batch.logits_index)

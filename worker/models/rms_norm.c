@@ -1,9 +1,0 @@
-/* RMSNorm of float32 rows (rms_norm.h) in one call, on the calling thread. Replaces the five
- * elementwise ops (each a dispatch and a pass over the row) that a decode step called 2 x layers + 1
- * times. Built and loaded by native.py.
- */
-#include "rms_norm.h"
-
-void rms_norm(const float *x, int64_t rows, int64_t dim, const float *weight, float eps, float *y) {
-  rms_norm_in_team(x, rows, dim, weight, eps, y);
-}
