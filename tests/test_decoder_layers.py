@@ -1,6 +1,6 @@
-"""A decode step's forward in one C call (decoder_layers.c) computes what the model in torch computes,
-and keeps the bit-for-bit promises of the kernels it runs: a row alone and in a batch, a token decoded
-alone and verified among a draft's, one thread and two."""
+"""A step's forward in one C call (decoder_layers.c) computes what the model in torch computes, and keeps
+the bit-for-bit promises of the kernels it runs: a row alone and in a batch, a token decoded alone and
+verified among a draft's, a prompt prefilled whole and in chunks, one thread and two."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +28,7 @@ def forward(model, batch, cache, fused: bool) -> torch.Tensor:
 
 
 def prefilled(model, lengths=(5, 40, 17)):
-    """A cache holding three prompts (their prefill runs the layers in torch), and the prompts."""
+    """A cache holding three prompts, and the prompts."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     cache = torch.zeros(model.kv_cache_shape(12 * BLOCK))
@@ -96,11 +96,42 @@ def test_one_thread_and_two_give_the_same_bits(checkpoints):
 
 
 @needs_kernel
-def test_a_prompts_prefill_and_plain_weights_keep_the_layers_in_torch(checkpoints):
-    model = load_model(checkpoints["llama"], torch.float32, CPU)
-    cache = torch.zeros(model.kv_cache_shape(12 * BLOCK))
-    prefill = build_paged_batch([[1, 2, 3]], [0], TABLES[:1], BLOCK, 1, CPU)
-    assert not model.fused_forward.runs_on(cache, prefill)  # SDPA over its own tokens
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_prompts_prefill_matches_the_layers_in_torch(checkpoints, family):
+    """Prompts from position 0 and chunks after cached tokens (the prefill attention kernel)."""
+    model = load_model(checkpoints[family], torch.float32, CPU)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (30, 45, 9)]
+    steps = [build_paged_batch([p[:20] for p in prompts], [0] * 3, TABLES, BLOCK, 1, CPU),
+             build_paged_batch([p[20:] for p in prompts], [20] * 3, TABLES, BLOCK, 1, CPU, prefill=True)]
+    ours_cache, torch_cache = torch.zeros(2, *model.kv_cache_shape(12 * BLOCK)).unbind()
+    for step in steps:
+        assert step.prefill and model.fused_forward.runs_on(ours_cache, step)
+        ours, theirs = forward(model, step, ours_cache, True), forward(model, step, torch_cache, False)
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ours_cache, torch_cache, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_a_prompt_prefilled_whole_in_chunks_or_after_a_cached_prefix_gives_the_same_bits(checkpoints):
+    """Each token's keys, values and logits depend on its own context only: rows and chunks around it
+    change no bit."""
+    model = load_model(checkpoints["mistral"], torch.float32, CPU)  # a sliding window too
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (50,), generator=gen).tolist()
+    other = torch.randint(0, model.config.vocab_size, (37,), generator=gen).tolist()
+    whole = torch.zeros(model.kv_cache_shape(12 * BLOCK))
+    logits = forward(model, build_paged_batch([prompt, other], [0, 0], TABLES[:2], BLOCK, 1, CPU), whole, True)
+    chunked = torch.zeros_like(whole)
+    for start, end in ((0, 16), (16, 19), (19, 50)):
+        last = forward(model, build_paged_batch([prompt[start:end]], [start], TABLES[:1], BLOCK, 1, CPU,
+                                                prefill=True), chunked, True)
+    assert torch.equal(last[0], logits[0])
+    assert torch.equal(chunked[:, :, :4 * BLOCK], whole[:, :, :4 * BLOCK])
+
+
+@needs_kernel
+def test_plain_weights_keep_the_layers_in_torch(checkpoints):
     assert load_model(checkpoints["llama"], torch.float32, CPU, pack=False).fused_forward is None  # compile's
 
 

@@ -13,6 +13,7 @@ from worker.kernels import (
     draw_tokens,
     native,
     paged_attention,
+    prefill_attention,
     rms_norm,
     rotate_store,
     verify_tokens,
@@ -21,8 +22,8 @@ from worker.models.attention import build_paged_batch
 from worker.models.loader import load_model
 
 IMPLEMENTATIONS = {"vec16_avx512.h", "vec16_avx2.h"}
-BINDINGS = (blocked_linear, decoder_layers, draw_tokens, paged_attention, rms_norm, rotate_store,
-            verify_tokens)
+BINDINGS = (blocked_linear, decoder_layers, draw_tokens, paged_attention, prefill_attention, rms_norm,
+            rotate_store, verify_tokens)
 CPU = torch.device("cpu")
 BLOCK = 16
 
@@ -69,6 +70,13 @@ def every_kernel(model) -> dict[str, torch.Tensor]:
         for window in (None, 7):
             out[f"paged_attention {dim} {window}"] = paged_attention.attend(
                 q, kv[0], kv[1], batch.gather_slots, batch.positions, batch.context_lens, window)
+    chunks = build_paged_batch([[1] * 37, [1] * 9], [0, 21], tables[::2], BLOCK, 1, CPU, prefill=True)
+    for heads, kv_heads, dim in [(8, 4, 32), (4, 2, 48), (16, 1, 16)]:
+        kv = torch.randn(2, 64 * BLOCK, kv_heads, dim, generator=g)
+        q = torch.randn(2, 37, heads, dim, generator=g)
+        for window in (None, 7):
+            out[f"prefill_attention {dim} {window}"] = prefill_attention.attend(
+                q, kv[0], kv[1], chunks.gather_slots, chunks.positions, chunks.context_lens, window)
     logits, temperature = torch.randn(9, 1037, generator=g) * 3, torch.rand(9, generator=g) + 0.3
     probs = torch.empty_like(logits)
     out["draw_tokens"] = draw_tokens.draw_tokens(logits, temperature, torch.rand(9, generator=g), probs=probs)
@@ -78,14 +86,16 @@ def every_kernel(model) -> dict[str, torch.Tensor]:
         draft, q / q.sum(-1, keepdim=True), torch.randn(9, 5, 1037, generator=g) * 3, temperature,
         torch.rand(9, 4, generator=g), torch.rand(9, generator=g))
     out["verify_tokens"] = torch.cat([accepted, tokens.flatten()])
-    # decoder_layers.c: a prefill (torch's attention, the C norms and rotation), then decode and verify steps
+    # decoder_layers.c: a prefill, the next chunk of one prompt, then decode and verify steps
     kv_cache = torch.zeros(model.kv_cache_shape(12 * BLOCK))
     tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 17)]
     lengths = [len(p) for p in prompts]
     steps = [build_paged_batch(prompts, [0] * 3, tables, BLOCK, 1, CPU),
-             build_paged_batch([[7], [8], [9]], lengths, tables, BLOCK, 1, CPU),
-             build_paged_batch([[1, 2, 3, 4]] * 3, [n + 1 for n in lengths], tables, BLOCK, 4, CPU)]
+             build_paged_batch([[3] * 20], [lengths[0]], tables[:1], BLOCK, 1, CPU, prefill=True),
+             build_paged_batch([[7], [8], [9]], [lengths[0] + 20, *lengths[1:]], tables, BLOCK, 1, CPU),
+             build_paged_batch([[1, 2, 3, 4]] * 3, [lengths[0] + 21, *(n + 1 for n in lengths[1:])], tables, BLOCK,
+                               4, CPU)]
     for i, step in enumerate(steps):
         out[f"forward {i}"] = model(step, kv_cache)
     out["kv cache"] = kv_cache

@@ -191,14 +191,14 @@ class LLMEngine:
         starts = [s.num_cached for s in seqs]
         rows = [s.token_ids[n:n + c] for s, n, c in zip(seqs, starts, chunks)]
         tables = [s.block_table for s in seqs]
-        logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
+        logits = self.runner.forward("target", rows, starts, tables, 1, prefill=True)[:, 0]
         # A dormant draft reads when it proposes; so does one behind the target (cached blocks it never
         # wrote).
         if self.speculation.awake:
             level = [i for i, s in enumerate(seqs) if s.num_draft_cached == s.num_cached]
             if level:
                 self.runner.forward("draft", [rows[i] for i in level], [starts[i] for i in level],
-                                    [tables[i] for i in level], 0)
+                                    [tables[i] for i in level], 0, prefill=True)
             for i in level:
                 seqs[i].num_draft_cached += chunks[i]
         done = []

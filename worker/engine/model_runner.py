@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.kernels import paged_attention
+from worker.kernels import paged_attention, prefill_attention
 from worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
 from worker.models.compiled import compile_model, shape_classes
 from worker.models.llama import CausalLM
@@ -32,11 +32,20 @@ class ModelRunner:
         return total
 
     def narrowest_gathered_chunk(self, context: int) -> int:
-        """The fewest new tokens a row over `context` positions has when some model's attention
-        gathers its context (the kernel that reads it in place would need more scratch)."""
+        """The fewest new tokens a prompt's chunk over `context` positions has when some model's
+        attention gathers its context: none where the prefill kernel reads it in place (context + 1),
+        else where the decode kernel would need more scratch."""
+        if all(self._reads_prompts_in_place(name, context) for name in self.models):
+            return context + 1
         heads = max(m.model.layers[0].self_attn.num_heads for m in self.models.values())
         return next((w for w in range(1, context + 1) if not paged_attention.fits(w, heads, context)),
                     context + 1)
+
+    def _reads_prompts_in_place(self, name: str, context: int) -> bool:
+        """Whether this model's prompt chunks attend over the cache where it sits (the prefill kernel)."""
+        model = self.models[name]
+        probe = torch.empty(0, 0, 0, model.head_dim, dtype=next(model.parameters()).dtype, device=self.device)
+        return self.run[name] is model and prefill_attention.runs_on(probe, probe, context)
 
     def warm_kernels(self) -> None:
         """Build every matmul kernel a forward can ask for (packed_linear.py; none off the CPU)."""
@@ -71,11 +80,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, name: str, token_rows: list[list[int]], starts: list[int],
                 block_tables: list[list[int]] | BlockTables, num_logits: int,
-                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+                input_ids: torch.Tensor | None = None, prefill: bool = False) -> torch.Tensor:
         """Logits [B, num_logits, V] at the last positions of each row.
 
         `input_ids` [B, Q] replaces the rows' tokens when they already live on the device
-        (draft proposals), so no host round trip is needed to feed them back.
+        (draft proposals), so no host round trip is needed to feed them back. `prefill`: the rows
+        are chunks of prompts (their attention is the prefill kernel's), not generated tokens.
         """
         compiled = self.run[name] is not self.models[name]
         # Compiled, no logits and unpadded rows would each be graphs of their own: one logit at least
@@ -83,7 +93,8 @@ class ModelRunner:
         n = max(1, num_logits) if compiled else num_logits
         if input_ids is not None and compiled and not input_ids.is_inference():
             input_ids = input_ids.clone()  # compiled graphs are guarded on inference tensors, as batches' are
-        batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, n, self.device, input_ids)
+        batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, n, self.device, input_ids,
+                                  prefill)
         if not compiled:  # a compiled forward's buffers are its own (inductor plans them)
             batch.workspace = self.workspace
         elif batch.write_rows is None:

@@ -58,7 +58,7 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
     for rows, width, start in prefill_shapes(runner, config, longest):
         for name in runner.models:
             runner.forward(name, [[1] * width] * rows, [start] * rows, [table] * rows,
-                           1 if name == "target" else 0)
+                           1 if name == "target" else 0, prefill=True)
 
     # Decode: every sequence at the longest context, k draft steps then k+1 verified positions.
     B = batch or config.max_num_seqs

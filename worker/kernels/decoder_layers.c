@@ -1,6 +1,7 @@
-/* A decode or verify step's whole forward in one call and one parallel region, for float32 on AVX-512
- * or AVX2 CPUs: the token embeddings and each token's RoPE angles; per layer RMSNorm, the q/k/v
- * matmul, RoPE and the cache write, paged attention, the output matmul plus the residual, RMSNorm,
+/* A step's whole forward in one call and one parallel region, for float32 on AVX-512 or AVX2 CPUs:
+ * the token embeddings and each token's RoPE angles; per layer RMSNorm, the q/k/v matmul, RoPE and the
+ * cache write, attention over the paged cache (a decode or verify step's kernel, or a prompt chunk's),
+ * the output matmul plus the residual, RMSNorm,
  * the gate/up matmul, SiLU(gate) x up, the down matmul plus the residual; then the final RMSNorm and
  * the head at the positions whose logits are wanted. Each stage is an `omp for` of the kernels'
  * headers, so threads meet at a barrier between stages instead of starting a region and returning
@@ -16,6 +17,7 @@
 
 #include "blocked_linear.h"
 #include "paged_attention.h"
+#include "prefill_attention.h"
 #include "rms_norm.h"
 #include "rotate_store.h"
 #include "vec16_exp.h"
@@ -86,14 +88,16 @@ static void silu_mul_in_team(const float *gate_up, int64_t rows, int64_t inner, 
 /* ids: [B * Q] tokens; x: [B * Q, hidden] out, the last layer's output. write_rows (NULL: all),
  * write_slots: [writes] as rotate_store. keys, values: layer 0's [slots, kv_heads, D], each next layer
  * layer_stride floats on. slots [B, C], positions [B, Q], lengths [B] as paged_attention. logits
- * [B, n, vocab] out at logits_index [B, n] where ends->head is set. work: scratch of
+ * [B, n, vocab] out at logits_index [B, n] where ends->head is set. prefill: the tokens are a prompt's
+ * (prefill_attention.h attends), else generated ones (paged_attention.h). work: scratch of
  * B * Q * (2 hidden + (2 heads + 2 kv_heads + 1) D + 3 inner) floats. */
 void decoder_forward(const struct layer *layers, int64_t num_layers, const struct ends *ends, const int64_t *ids,
                      float *x, int64_t B, int64_t Q, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D,
                      int64_t inner, float eps, const int64_t *write_rows, const int64_t *write_slots,
                      int64_t writes, float *keys, float *values, int64_t layer_stride, const int64_t *slots,
                      const int64_t *positions, const int64_t *lengths, int64_t C, float scale,
-                     const int64_t *logits_index, int64_t n, float *logits, float *work, int threads) {
+                     const int64_t *logits_index, int64_t n, float *logits, int prefill, float *work,
+                     int threads) {
   const int64_t M = B * Q, width = (heads + 2 * kv_heads) * D;
   float *normed = work, *qkv = normed + M * hidden, *attended = qkv + M * width;
   float *gate_up = attended + M * heads * D, *act = gate_up + M * 2 * inner;
@@ -107,8 +111,12 @@ void decoder_forward(const struct layer *layers, int64_t num_layers, const struc
       rms_norm_in_team(x, M, hidden, w->input_norm, eps, normed);
       blocked_linear_in_team(normed, M, hidden, w->qkv, width, w->qkv_bias, NULL, qkv);
       rotate_store_in_team(qkv, M, heads, kv_heads, D, cos, sin, write_rows, write_slots, writes, k, v);
-      paged_attention_in_team(qkv, width, k, v, slots, positions, lengths, B, Q, C, heads, kv_heads, D, w->window,
-                              scale, attended);
+      if (prefill)
+        prefill_attention_in_team(qkv, width, k, v, slots, positions, lengths, B, Q, C, heads, kv_heads, D,
+                                  w->window, scale, attended);
+      else
+        paged_attention_in_team(qkv, width, k, v, slots, positions, lengths, B, Q, C, heads, kv_heads, D,
+                                w->window, scale, attended);
       blocked_linear_in_team(attended, M, heads * D, w->o, hidden, w->o_bias, x, x);
       rms_norm_in_team(x, M, hidden, w->post_norm, eps, normed);
       blocked_linear_in_team(normed, M, hidden, w->gate_up, 2 * inner, w->gate_up_bias, NULL, gate_up);

@@ -71,6 +71,7 @@ class PagedBatch:
     context_lens: torch.Tensor  # [B]
     logits_index: torch.Tensor  # [B, n] query positions whose logits are wanted
     from_start: bool  # every row starts at position 0 (a prompt's prefill): its context is its own tokens
+    prefill: bool  # the new tokens are prompts' (from_start, or chunks after cached ones), not generated
     # Where each layer's context is gathered: the runner's, kept between steps; else one for this batch.
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
 
@@ -106,9 +107,11 @@ def host_longs(values: list[int], device: torch.device) -> torch.Tensor:
 
 def build_paged_batch(token_rows: list[list[int]], start_positions: list[int],
                       block_tables: list[list[int]] | BlockTables, block_size: int, num_logits: int,
-                      device: torch.device, input_ids: torch.Tensor | None = None) -> PagedBatch:
+                      device: torch.device, input_ids: torch.Tensor | None = None,
+                      prefill: bool = False) -> PagedBatch:
     """Lay out rows of new tokens (row b starts at position start_positions[b]); `input_ids`
-    [B, Q], when given, holds the rows' tokens already (draft proposals living on the device).
+    [B, Q], when given, holds the rows' tokens already (draft proposals living on the device);
+    `prefill`: the rows are prompts' chunks (a batch from position 0 always is).
 
     Each field is one tensor made from a host list: a decode step's batch is a few elements, and
     each torch op costs more than the Python that replaces it.
@@ -136,4 +139,5 @@ def build_paged_batch(token_rows: list[list[int]], start_positions: list[int],
     return PagedBatch(
         input_ids=input_ids, positions=positions, write_rows=write_rows, write_slots=write_slots,
         gather_slots=tables.slots[:, :context].contiguous(), context_lens=host_longs(ends, device),
-        logits_index=logits_index, from_start=max(start_positions) == 0)
+        logits_index=logits_index, from_start=max(start_positions) == 0,
+        prefill=prefill or max(start_positions) == 0)

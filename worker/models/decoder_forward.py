@@ -1,10 +1,10 @@
-"""A model laid out for the one-call forward of decode and verify steps (kernels/decoder_layers.py):
-which models and steps it takes, and a step's call."""
+"""A model laid out for the one-call forward of its steps (kernels/decoder_layers.py): which models and
+steps it takes, and a step's call."""
 from __future__ import annotations
 
 import torch
 
-from worker.kernels import blocked_linear, decoder_layers, paged_attention
+from worker.kernels import blocked_linear, decoder_layers, paged_attention, prefill_attention
 from worker.models.attention import PagedBatch
 
 
@@ -48,12 +48,13 @@ class DecoderForward:
                 and all(blocked_linear.is_blocked(w) and w.dtype == torch.float32 for w in weights))
 
     def runs_on(self, kv_cache: torch.Tensor, batch: PagedBatch) -> bool:
-        """Whether this step can: not a prompt's prefill, a dense float32 cache on the CPU, eager, and a
-        thread's attention scores within paged_attention's limit."""
-        return (not batch.from_start and kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu"
-                and kv_cache.is_contiguous() and not torch.compiler.is_compiling()
-                and paged_attention.fits(batch.input_ids.shape[1], self.dims.heads,
-                                         batch.gather_slots.shape[1]))
+        """Whether this step can: a dense float32 cache on the CPU, eager, and a thread's attention
+        scores within the limit of the step's attention kernel (a prompt chunk's or a decode step's)."""
+        context = batch.gather_slots.shape[1]
+        fits = prefill_attention.fits(context) if batch.prefill else \
+            paged_attention.fits(batch.input_ids.shape[1], self.dims.heads, context)
+        return (fits and kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu"
+                and kv_cache.is_contiguous() and not torch.compiler.is_compiling())
 
     def __call__(self, batch: PagedBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last layer's output x [B, Q, hidden], and the logits [B, n, V] at batch.logits_index
@@ -61,4 +62,4 @@ class DecoderForward:
         return decoder_layers.decoder_forward(
             self.layers, self.ends, self.dims, batch.input_ids, batch.positions, batch.write_slots,
             batch.write_rows, kv_cache[0], kv_cache[1], batch.gather_slots, batch.context_lens,
-            batch.logits_index)
+            batch.logits_index, batch.prefill)

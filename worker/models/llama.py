@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.kernels import paged_attention, rms_norm, rotate_store
+from worker.kernels import paged_attention, prefill_attention, rms_norm, rotate_store
 from worker.models.attention import PagedBatch
 from worker.models.decoder_forward import DecoderForward
 from worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
@@ -113,12 +113,17 @@ class Attention(nn.Module):
             self.write_kv(kv_cache, self.layer, batch.write_slots,
                           real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
         gqa = H != kvH
+        context = batch.gather_slots.shape[1]
+        if prefill_attention.runs_on(q, kv_cache, context) and batch.prefill:  # a prompt's chunk
+            out = prefill_attention.attend(q, kv_cache[0, self.layer], kv_cache[1, self.layer], batch.gather_slots,
+                                           batch.positions, batch.context_lens, self.window)
+            return linear(out, self.o_proj.weight, self.o_proj.bias)
         if batch.from_start and self.window is None:
             # The context is these tokens: no read, and no [B, Q, C] mask (16 MiB at 2048 tokens).
             # Padded queries see padding keys; their outputs are never read.
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa)
-        elif paged_attention.runs_on(q, kv_cache, batch.gather_slots.shape[1]):  # decode and verify
+        elif paged_attention.runs_on(q, kv_cache, context):  # decode and verify
             out = paged_attention.attend(q, kv_cache[0, self.layer], kv_cache[1, self.layer], batch.gather_slots,
                                          batch.positions, batch.context_lens, self.window)
             return linear(out, self.o_proj.weight, self.o_proj.bias)
