@@ -27,9 +27,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="budget as a share of device memory (default 0.9 on CUDA)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
                    help="explicit KV cache size, e.g. 2GiB (overrides --memory-utilization)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N")
+    p.add_argument("--max-model-len", type=int, default=0, metavar="N",
+                   help="longest prompt + output in tokens (default: the model's limit, at most 2048)")
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-num-batched-tokens", type=int, default=0, metavar="N",
                    help="prompt tokens one prefill step computes (default 512 on the CPU, else 2048); longer "
                         "prompts are prefilled in chunks, between decode steps of the running requests")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

@@ -182,7 +182,7 @@ class CudaDevice(Device):
         # bf16 is native from Ampere (sm_80) on; earlier GPUs only emulate it, slowly.
         self.dtype = torch.bfloat16 if props.major >= 8 else torch.float16
         torch.cuda.mem_get_info(index)  # creates the CUDA context now, so "runtime" includes it
-        self._own_pids = {os.getpid(), host_pid()} - {None}
+        self._own_pids = {pid for pid in (os.getpid(), host_pid()) if pid is not None}
         self._warned: set[str] = set()
         self._nvml = _init_nvml(nvml)
         self._handle = self._find_handle(props) if self._nvml else None
@@ -197,8 +197,9 @@ class CudaDevice(Device):
     def process_bytes(self) -> int:
         procs = self._nvml_processes()
         mine = [used for pid, used in (procs or {}).items() if pid in self._own_pids]
-        if mine and None not in mine:
-            return sum(mine)
+        known = [used for used in mine if used is not None]
+        if mine and len(known) == len(mine):
+            return sum(known)
         if procs is None:
             reason = "NVML cannot list this GPU's processes"
         elif not mine:
