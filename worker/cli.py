@@ -7,6 +7,7 @@ import sys
 
 from vramledger.units import parse_size  # its SizeError is an ArgumentTypeError too
 from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+from worker.http.settings import SHUTDOWN_MARGIN
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
 
@@ -74,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_waiting_flag(serve)
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, running requests get this long to finish before they are aborted "
-                            "(default 30; match the pod's terminationGracePeriodSeconds)")
+                            f"(default 30); the process then exits within {SHUTDOWN_MARGIN:.0f} s more, so give "
+                            f"the pod a terminationGracePeriodSeconds of at least this + {SHUTDOWN_MARGIN:.0f} "
+                            "(docs/kubernetes.md)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name the API answers to and reports (default: the model directory's name)")
     serve.set_defaults(run=run_serve)

@@ -15,7 +15,7 @@ from worker.http.drain import DrainGate, DrainingServer
 from worker.http.error_handlers import install_error_handlers
 from worker.http.guard import Guard
 from worker.http.routers import chat, completions, health, memory, metrics, models
-from worker.http.settings import ServerSettings
+from worker.http.settings import ENGINE_STOP_GRACE, HTTP_SHUTDOWN_GRACE, ServerSettings
 from worker.http.state import EngineFactory, ServerState
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ async def lifespan(app: FastAPI):
     state: ServerState = app.state.server
     state.engine_loop.start(asyncio.get_running_loop())
     yield
-    state.engine_loop.stop()
+    state.engine_loop.stop(ENGINE_STOP_GRACE)
     state.encoder.shutdown()
 
 
@@ -65,7 +65,7 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     app = create_app(config, ServerSettings.from_args(args))
     state: ServerState = app.state.server
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                    timeout_graceful_shutdown=5)
+                                    timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE)
     server = DrainingServer(uvicorn_config, state.drain)  # SIGTERM drains first
     state.engine_loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
     log.info("serving %s on http://%s:%d (draft: %s)", state.model_name, args.host, args.port,
