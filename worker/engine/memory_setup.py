@@ -53,7 +53,8 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     # Host state the engine keeps per request, for max_num_seqs requests at their longest.
     states = measure_held(device, lambda: request_states(c, tokenizer, device.torch_device))
     ledger.record("sequence_state", states)
-    ledger.record("server", measure_held(device, server_state) if server_state else 0)
+    # The server's work (tokenizing) frees what it needed: its peak counts.
+    ledger.record("server", measure_held(device, server_state, peak=True) if server_state else 0)
 
     per_block = runner.bytes_per_block()
     usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
