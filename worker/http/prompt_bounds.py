@@ -100,12 +100,16 @@ def body_limit(bound: PromptBound | None, max_model_len: int, cap: int) -> int:
 
 
 def longest_text(bound: PromptBound | None, max_model_len: int, max_body_bytes: int) -> str:
-    """The prompt text that passes the bound (or fits the body) and costs the most: random private-use
-    characters of the supplementary planes take 4 bytes each in a Python string and in UTF-8, and no
-    vocabulary merges them, so the tokenizer makes one token per byte."""
+    """The prompt text that passes the bound (or fits the body) and costs the most."""
     chars = max_body_bytes // 4
     if bound is not None:
         chars = min(chars, bound.max_units(max_model_len) // (4 if bound.in_bytes else 1))
+    return costliest_text(chars)
+
+
+def costliest_text(chars: int) -> str:
+    """Random private-use characters of the supplementary planes: 4 bytes each in a Python string and
+    in UTF-8, and no vocabulary merges them, so a tokenizer makes one token per byte."""
     rng = random.Random(0)
     return "".join(chr(rng.randrange(0xF0000, 0x10FFFE)) for _ in range(chars))
 

@@ -20,7 +20,7 @@ from worker.config import EngineConfig
 from worker.engine.outputs import RequestOutput
 from worker.engine.profile_run import request_states
 from worker.http.choices import Job
-from worker.http.prompt_bounds import body_limit, longest_text
+from worker.http.prompt_bounds import body_limit, costliest_text, longest_text
 from worker.http.prompt_encoder import IN_STAGE, SHORT_CHARS, PromptEncoder
 from worker.http.renderer import ResponseRenderer
 from worker.http.request_models import (
@@ -42,7 +42,7 @@ def requests_in_flight(config: EngineConfig, settings: ServerSettings, encoder: 
     """
     vocab = max(2, getattr(tokenizer, "vocab_size", 0) or 2)
     prompt_len, max_model_len = config.max_model_len // 2, config.max_model_len
-    stop = longest_text(None, max_model_len, 4 * MAX_STOP_CHARS)
+    stop = costliest_text(MAX_STOP_CHARS)
     requests = []
     for i in range(config.max_num_seqs + settings.max_waiting):
         ids = torch.randint(1, vocab, (max_model_len,), generator=torch.Generator().manual_seed(i))
@@ -86,7 +86,8 @@ def parsed_empty_messages(body_bytes: int) -> ChatCompletionRequest:
     """A body of about this many bytes, parsed: as many empty messages as fit."""
     empty = b'{"role":"user","content":""}'
     count = max(1, (body_bytes - 32) // (len(empty) + 1))
-    return ChatCompletionRequest.model_validate_json(b'{"model":"m","messages":[' + b",".join([empty] * count) + b"]}")
+    messages = b",".join([empty] * count)
+    return ChatCompletionRequest.model_validate_json(b'{"model":"m","messages":[' + messages + b"]}")
 
 
 def own_copy(text: str) -> str:
