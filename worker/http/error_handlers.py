@@ -3,8 +3,9 @@ crash as an OpenAI error body with a code."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +18,7 @@ log = logging.getLogger(__name__)
 UNION_TAGS = ("str", "int", "float", "bool", "TextPart")  # pydantic's union branches in an error's path
 
 
-def validation_error(errors: Sequence[dict]) -> APIError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """The first of pydantic's errors about a request body as a 400 naming the top-level parameter."""
     first = errors[0]
     kind, loc = first.get("type", ""), [p for p in first.get("loc", ()) if p != "body"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import TypeVar
 
 import anyio
 from fastapi import Request
@@ -19,8 +20,8 @@ from worker.http.engine_loop import EngineLoop
 from worker.http.errors import APIError
 from worker.http.openai_protocol import choice_params, sampling_params
 from worker.http.renderer import ResponseRenderer
-from worker.http.request_body import Body, parse, read_json
-from worker.http.request_models import ChatCompletionRequest, SamplingRequest
+from worker.http.request_body import parse, read_json
+from worker.http.request_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from worker.http.state import ServerState
 
 
@@ -36,7 +37,10 @@ def check_queue(state: ServerState, n: int, tokenizing: int = 0) -> None:
                        "retry later", type="server_error", code="queue_full", headers={"Retry-After": "1"})
 
 
-async def prepare(state: ServerState, request: Request, model: type[Body]) -> tuple[Body, list[int]]:
+Generation = TypeVar("Generation", CompletionRequest, ChatCompletionRequest)
+
+
+async def prepare(state: ServerState, request: Request, model: type[Generation]) -> tuple[Generation, list[int]]:
     """A generation request read, parsed and tokenized (a few at a time: the others wait holding
     only their bytes), once the queue has room for it; its texts are dropped then, as its token ids
     say the same."""
@@ -56,12 +60,12 @@ async def prepare(state: ServerState, request: Request, model: type[Body]) -> tu
     return body, token_ids
 
 
-def admit(state: ServerState, body: SamplingRequest, token_ids: list[int], chat: bool, param: str) -> Job:
+def admit(state: ServerState, body: CompletionRequest | ChatCompletionRequest, token_ids: list[int], chat: bool,
+          param: str) -> Job:
     """Submit the request's n choices, or refuse it: 400 when it cannot fit, 503 when the queue is full."""
     engine = state.engine_or_503()
     engine_loop = state.engine_loop
-    params = sampling_params(body, len(token_ids), engine.config.max_model_len, chat, param,
-                             state.encoder.vocab_size)
+    params = sampling_params(body, len(token_ids), engine.config.max_model_len, param, state.encoder.vocab_size)
     check_queue(state, body.n)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choice_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]

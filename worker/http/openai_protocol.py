@@ -2,22 +2,24 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from worker.engine.sampling_params import SamplingParams
 from worker.http.errors import APIError
-from worker.http.request_models import ChatCompletionRequest, SamplingRequest
+from worker.http.request_models import ChatCompletionRequest, CompletionRequest
 
 
 def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
     """A completion prompt (text or token ids, alone or in a list of one): 400 for a batch or nothing."""
+    one = prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "batched prompts are not supported; send one request per prompt",
                            param="prompt", code="invalid_value")
-        prompt = prompt[0]
-    if not prompt:
+        one = prompt[0]
+    if not one:
         raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-    return prompt
+    return cast("str | list[int]", one)  # a string, or the token ids the request model allows
 
 
 def check_fits(prompt_tokens: int, max_model_len: int, param: str) -> None:
@@ -71,13 +73,14 @@ def render(tokenizer, messages: list[dict]) -> str:
                        code="invalid_value") from exc
 
 
-def sampling_params(body: SamplingRequest, prompt_tokens: int, max_model_len: int, chat: bool,
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, max_model_len: int,
                     param: str, vocab_size: int | None = None) -> SamplingParams:
     """The engine's SamplingParams; the prompt and max_tokens must fit in max_model_len together."""
     check_fits(prompt_tokens, max_model_len, param)
     room = max_model_len - prompt_tokens
+    chat = isinstance(body, ChatCompletionRequest)
     requested, name = body.max_tokens, "max_tokens"
-    if chat and body.max_completion_tokens is not None:  # the newer name wins, as in OpenAI's API
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:  # the newer name wins
         requested, name = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested = room if chat else min(16, room)
@@ -92,7 +95,7 @@ def sampling_params(body: SamplingRequest, prompt_tokens: int, max_model_len: in
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids",
                        code="invalid_value")
-    if chat and body.top_logprobs is not None and not body.logprobs:
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     return SamplingParams(max_tokens=requested, temperature=body.effective_temperature, top_p=body.top_p,
                           top_k=max(0, body.top_k), min_p=body.min_p, seed=body.seed, stop=body.stop_list,

@@ -16,13 +16,15 @@ import random
 import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal, cast
 
 from worker.http.errors import APIError
 from worker.http.request_models import MAX_NAME_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 log = logging.getLogger(__name__)
 # Unicode normalizations (a first normalizer step) the bound applies itself before measuring.
-UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+UnicodeForm = Literal["NFC", "NFD", "NFKC", "NFKD"]
+UNICODE_FORMS: tuple[UnicodeForm, ...] = ("NFC", "NFD", "NFKC", "NFKD")
 # Pre-tokenizers that split the text without dropping any of it (unless told to remove matches).
 KEEPS_TEXT = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts"}
 # What a request body may need beside its prompt text, written any way JSON allows but padding:
@@ -37,7 +39,7 @@ class PromptBound:
 
     per_token: int
     in_bytes: bool  # byte-level tokenizers: UTF-8 bytes; the others: characters
-    unicode_form: str | None = None  # the tokenizer normalizes to this form first
+    unicode_form: UnicodeForm | None = None  # the tokenizer normalizes to this form first
 
     @classmethod
     def of(cls, tokenizer) -> PromptBound | None:
@@ -123,12 +125,12 @@ def flatten(step: dict | None, key: str) -> list[dict]:
     return [step]
 
 
-def unicode_form(normalizer: dict | None) -> tuple[str | None, bool]:
+def unicode_form(normalizer: dict | None) -> tuple[UnicodeForm | None, bool]:
     """(the Unicode form the normalizer applies first, whether no step of it can shorten the text)."""
     steps = flatten(normalizer, "normalizers")
-    form = None
+    form: UnicodeForm | None = None
     if steps and steps[0].get("type") in UNICODE_FORMS:
-        form = steps.pop(0)["type"]
+        form = cast(UnicodeForm, steps.pop(0)["type"])
     for step in steps:
         kind = step.get("type")
         if kind == "Prepend":

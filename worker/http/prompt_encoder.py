@@ -76,7 +76,8 @@ class PromptEncoder:
 
     async def chat(self, body: ChatCompletionRequest, max_model_len: int) -> list[int]:
         """A conversation's token ids through the tokenizer's chat template; 400 when it cannot fit."""
-        texts = [t for m in body.messages for t in (m.content, m.name or "")]
+        # str(): the request model's validator has joined a content's parts into one text.
+        texts = [t for m in body.messages for t in (str(m.content), m.name or "")]
         if self.bound is not None:
             # The template writes every message: what their texts alone prove is refused now.
             if len(body.messages) > max_model_len - 1:

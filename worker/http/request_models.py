@@ -10,7 +10,7 @@ MAX_STOP_CHARS = 256  # a request in flight holds its stop strings: the ledger's
 MAX_NAME_CHARS = 256  # model, user and message names, held the same way
 MAX_CHOICES = 16  # n: each choice is a sequence of its own in the engine
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
-SEED_RANGE = {"ge": -(1 << 63), "le": (1 << 64) - 1}  # what torch.Generator.manual_seed takes
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 GREEDY_BELOW = 1e-5  # temperatures this small mean greedy; dividing logits by them overflows
 
 
@@ -37,7 +37,7 @@ class SamplingRequest(StrictModel):
     top_k: int = Field(0, ge=-1, le=(1 << 31) - 1, description="0 or -1 disables")  # the sampler's int64
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False,
                          description="drop tokens less likely than min_p x the most likely one; 0 disables")
-    seed: int | None = Field(None, **SEED_RANGE)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

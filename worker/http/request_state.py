@@ -43,7 +43,7 @@ def requests_in_flight(config: EngineConfig, settings: ServerSettings, encoder: 
     vocab = max(2, getattr(tokenizer, "vocab_size", 0) or 2)
     prompt_len, max_model_len = config.max_model_len // 2, config.max_model_len
     stop = costliest_text(MAX_STOP_CHARS)
-    requests = []
+    requests: list[tuple] = []
     for i in range(config.max_num_seqs + settings.max_waiting):
         ids = torch.randint(1, vocab, (max_model_len,), generator=torch.Generator().manual_seed(i))
         prompt, output = ids[:prompt_len].tolist(), ids[prompt_len:].tolist()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -54,16 +55,16 @@ async def lifespan(app: FastAPI):
 def document_the_bodies(app: FastAPI, model_name: str) -> None:
     """The OpenAPI schema documents the request bodies the generation routes parse themselves
     (request_body.py), naming the one model served, so generated clients (and fuzzers) reach generation."""
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
             bodies = body_schemas(CompletionRequest, ChatCompletionRequest)
             for name in ("CompletionRequest", "ChatCompletionRequest"):
                 bodies[name]["properties"]["model"]["enum"] = [model_name]
             schema.setdefault("components", {}).setdefault("schemas", {}).update(bodies)
-        return app.openapi_schema
+        return app.openapi_schema or {}
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
 
 def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
