@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from dashboard_queries import ROOT
 

@@ -77,7 +77,7 @@ def test_bad_chat_request_is_400(spec_server, body, param):
 
 @pytest.mark.parametrize("raw", [b"{not json", b'{"model": "llama-chat", "prompt": "x", "temperature": NaN}',
                                  b'{"model": "llama-chat", "prompt": "x", "temperature": Infinity}',
-                                 b"[1, 2]", b'"text"', b"", b"[" * 100_000 + b"]" * 100_000,
+                                 b"[1, 2]", b'"text"', b"", b"[" * 40_000 + b"]" * 40_000,
                                  b'{"model": "llama-chat", "prompt": "\xff\xfe"}'])
 def test_invalid_json_or_non_finite_numbers_are_400(spec_server, raw):
     response = httpx.post(spec_server.url + "/v1/completions", content=raw,
@@ -133,7 +133,7 @@ def test_full_waiting_queue_is_503_with_retry_after(gated_worker):
     # (serve_with_step_gate.py): on a fast machine the running request would finish first.
     _, url, model = gated_worker("--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "64")
     long = {"model": model, "prompt": "hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=long) as first:
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=long):
         client.post(url + "/test/steps", params={"n": 1})  # its prefill: it runs
         deadline = time.monotonic() + 60
         while metric_value(client.get(url + "/metrics").text, "vramledger_requests_running") != 1:

@@ -7,6 +7,7 @@ import sys
 
 from vramledger.units import parse_size  # its SizeError is an ArgumentTypeError too
 from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+from worker.http.settings import SHUTDOWN_MARGIN
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
 
@@ -27,9 +28,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="budget as a share of device memory (default 0.9 on CUDA)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
                    help="explicit KV cache size, e.g. 2GiB (overrides --memory-utilization)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N")
+    p.add_argument("--max-model-len", type=int, default=0, metavar="N",
+                   help="longest prompt + output in tokens (default: the model's limit, at most 2048)")
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-num-batched-tokens", type=int, default=0, metavar="N",
                    help="prompt tokens one prefill step computes (default 512 on the CPU, else 2048); longer "
                         "prompts are prefilled in chunks, between decode steps of the running requests")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -79,8 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this Bearer token on /v1/* (or set VRAMLEDGER_API_KEY)")
     add_waiting_flag(serve)
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                       help="on SIGTERM, running requests get this long to finish before they are aborted "
-                            "(default 30; match the pod's terminationGracePeriodSeconds)")
+                       help="on SIGTERM, running requests get this long to finish before they are "
+                            f"aborted (default 30); the process then exits within {SHUTDOWN_MARGIN:.0f} s "
+                            "more, so give the pod a terminationGracePeriodSeconds of at least this + "
+                            f"{SHUTDOWN_MARGIN:.0f} (docs/kubernetes.md)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name the API answers to and reports (default: the model directory's name)")
     serve.set_defaults(run=run_serve)
@@ -119,11 +123,17 @@ def run_profile(args: argparse.Namespace) -> int:
     from functools import partial
 
     from worker.engine.llm_engine import LLMEngine
+    from worker.http.prompt_encoder import PromptEncoder
     from worker.http.request_state import requests_in_flight
+    from worker.http.settings import ServerSettings
     from worker.memory.ledger import format_table, plot
 
     config = engine_config(args)  # the ledger `serve` would declare, its requests in flight included
-    engine = LLMEngine(config, partial(requests_in_flight, config, args.max_waiting))
+    encoder = PromptEncoder()
+    encoder.load(config.model)
+    settings = ServerSettings(max_waiting=args.max_waiting)
+    engine = LLMEngine(config, partial(requests_in_flight, config, settings, encoder))
+    encoder.shutdown()
     if args.json:
         print(json.dumps(engine.memory_report(), indent=2))
     else:

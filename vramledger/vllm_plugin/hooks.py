@@ -142,7 +142,7 @@ def _patch_gpu_worker_module() -> None:
         original = getattr(gpu_worker, name)
         if not getattr(original, "_vramledger", False):
             wrapper = functools.wraps(original)(functools.partial(hook, original))
-            wrapper._vramledger = True
+            setattr(wrapper, "_vramledger", True)
             setattr(gpu_worker, name, wrapper)
 
 

@@ -43,12 +43,13 @@ class OwnMemory:
             log.debug("vramledger: NVML cannot list the processes of the device: %s", e)
             return None
         used = [used for pid, used in procs.items() if pid in self._pids]
-        if not used or None in used:  # our pid is not visible to NVML, or the driver cannot say
+        known = [n for n in used if n is not None]
+        if not used or len(known) < len(used):  # our pid is not visible to NVML, or the driver cannot say
             return None
-        return sum(used)
+        return sum(known)
 
     def device_name(self) -> str | None:
-        if self._handle is None:
+        if self._nvml is None or self._handle is None:
             return None
         try:
             return nvml_devices.text(self._nvml.nvmlDeviceGetName(self._handle))
@@ -56,7 +57,7 @@ class OwnMemory:
             return None
 
     def device_uuid(self) -> str | None:
-        if self._handle is None:
+        if self._nvml is None or self._handle is None:
             return None
         try:
             return nvml_devices.text(self._nvml.nvmlDeviceGetUUID(self._handle))

@@ -1,6 +1,7 @@
 """The engine: step() = schedule -> propose -> verify -> sample -> account."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -66,10 +67,12 @@ class LLMEngine:
             self.ledger.record("compiled", 0)
             if config.compile:  # before the profile, so that it measures compiled steps
                 bar.set_postfix_str("compiling (minutes)")
-                self.ledger.record("compiled", measure_held(self.device, lambda: self.runner.compile(config.compile_backend)))
+                self.ledger.record("compiled", measure_held(self.device,
+                                                            lambda: self.runner.compile(config.compile_backend)))
                 bar.update()
             bar.set_postfix_str("profiling")
-            held_by_server = server_state and (lambda: server_state(self.tokenizer, self.device.torch_device))
+            held_by_server = None if server_state is None else functools.partial(
+                server_state, self.tokenizer, self.device.torch_device)
             self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer,
                                           held_by_server)
             bar.update()
@@ -175,10 +178,10 @@ class LLMEngine:
             return out
         P, text = tokens.shape[1], self._token_texts
         rows = torch.tensor(want, device=logits.device)
-        chosen, ids, values = top_logprobs(logits[rows].flatten(0, 1), tokens[rows].flatten(),
-                                           max(seqs[i].params.logprobs for i in want))
+        asked = {i: seqs[i].params.logprobs or 0 for i in want}
+        chosen, ids, values = top_logprobs(logits[rows].flatten(0, 1), tokens[rows].flatten(), max(asked.values()))
         for r, i in enumerate(want):
-            n = seqs[i].params.logprobs
+            n = asked[i]
             out[i] = [TokenLogprob(t, text(t), chosen[r * P + j],
                                    [(a, text(a), v) for a, v in zip(ids[r * P + j][:n], values[r * P + j][:n])])
                       for j, t in enumerate(tokens[i].tolist())]
@@ -252,7 +255,8 @@ class LLMEngine:
         rows = [s.token_ids[s.num_draft_cached:] for s in seqs]
         starts = [s.num_draft_cached for s in seqs]
         feed = None
-        draft_probs, draft_tokens = [], []
+        draft_probs: list[torch.Tensor] = []
+        draft_tokens: list[torch.Tensor] = []
         for i in range(k):
             logits = self.runner.forward("draft", rows, starts, tables, 1, input_ids=feed)[:, 0]
             q, d = propose(logits, rp, torch.stack(draft_tokens, 1) if draft_tokens else None)  # [B, V], [B]
@@ -329,14 +333,15 @@ class LLMEngine:
         """Run prompts to completion: (token ids, text, finish reason) per prompt, in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        results = {i: ([], [], None) for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        reasons: dict[str, str | None] = dict.fromkeys(ids)
         while self.has_unfinished_requests():
             for out in self.step():
-                tokens, texts, _ = results[out.request_id]
-                tokens.extend(out.new_token_ids)
-                texts.append(out.text)
-                results[out.request_id] = (tokens, texts, out.finish_reason)
-        return [(results[i][0], "".join(results[i][1]), results[i][2]) for i in ids]
+                tokens[out.request_id].extend(out.new_token_ids)
+                texts[out.request_id].append(out.text)
+                reasons[out.request_id] = out.finish_reason
+        return [(tokens[i], "".join(texts[i]), reasons[i]) for i in ids]
 
 
 def eos_ids(tokenizer, model_config) -> set[int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence, Status
@@ -15,7 +15,7 @@ class Batch:
 
     is_prefill: bool
     seqs: list[Sequence]
-    chunks: list[int] | None = None  # prefill: each row's new tokens this step, from its num_cached on
+    chunks: list[int] = field(default_factory=list)  # prefill: each row's new tokens, from its num_cached on
 
 
 class Scheduler:

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,7 +92,7 @@ def load(stem: str) -> ctypes.CDLL | None:
         return None
 
 
-def function(stem: str, name: str, *argtypes) -> ctypes._CFuncPtr | None:
+def function(stem: str, name: str, *argtypes) -> Callable[..., None] | None:
     """A kernel's C function with its argument types set, or None where the library cannot run."""
     library = load(stem)
     if library is None:

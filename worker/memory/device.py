@@ -133,10 +133,8 @@ class CpuDevice(Device):
         pass
 
     def empty_cache(self) -> None:
-        # Freed small blocks stay in malloc's arenas and in RSS until trimmed.
         gc.collect()
-        if _libc is not None and hasattr(_libc, "malloc_trim"):
-            _libc.malloc_trim(0)
+        release_free_heap()
 
 
 def _cpu_model_name() -> str:
@@ -165,6 +163,13 @@ def _load_libc():
 _libc = _load_libc()
 
 
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim, every arena): freed small
+    blocks otherwise stay in malloc's arenas, and in RSS, until reused."""
+    if _libc is not None and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
+
+
 def fix_mmap_threshold(nbytes: int = CPU_MMAP_THRESHOLD) -> bool:
     """Pin glibc's mmap threshold (no dynamic growth); False where there is no glibc."""
     if _libc is None or not hasattr(_libc, "mallopt"):
@@ -182,7 +187,7 @@ class CudaDevice(Device):
         # bf16 is native from Ampere (sm_80) on; earlier GPUs only emulate it, slowly.
         self.dtype = torch.bfloat16 if props.major >= 8 else torch.float16
         torch.cuda.mem_get_info(index)  # creates the CUDA context now, so "runtime" includes it
-        self._own_pids = {os.getpid(), host_pid()} - {None}
+        self._own_pids = {pid for pid in (os.getpid(), host_pid()) if pid is not None}
         self._warned: set[str] = set()
         self._nvml = _init_nvml(nvml)
         self._handle = self._find_handle(props) if self._nvml else None
@@ -197,8 +202,9 @@ class CudaDevice(Device):
     def process_bytes(self) -> int:
         procs = self._nvml_processes()
         mine = [used for pid, used in (procs or {}).items() if pid in self._own_pids]
-        if mine and None not in mine:
-            return sum(mine)
+        known = [used for used in mine if used is not None]
+        if mine and len(known) == len(mine):
+            return sum(known)
         if procs is None:
             reason = "NVML cannot list this GPU's processes"
         elif not mine:
