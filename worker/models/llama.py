@@ -226,7 +226,7 @@ class CausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = RotaryEmbedding(config, self.head_dim)
-        self.fused_forward: DecoderForward | None = None  # decode steps in one C call (pack_linears sets it)
+        self.fused_forward: DecoderForward | None = None  # a step in one C call (pack_linears sets it)
 
     def fuse_projections(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint-shaped q/k/v and gate/up become fused matmuls.
@@ -270,7 +270,7 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: PagedBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Logits [B, n, V] at batch.logits_index (n may be 0: fill the cache only)."""
-        if self.fused_forward is not None and self.fused_forward.runs_on(kv_cache, batch):  # decode and verify
+        if self.fused_forward is not None and self.fused_forward.runs_on(kv_cache, batch):
             x, logits = self.fused_forward(batch, kv_cache)
             if logits is not None:
                 return logits
