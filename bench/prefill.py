@@ -20,7 +20,10 @@ kernel's scratch is too small).
    (worker/kernels/decoder_layers.c: its parts are not split), and the rest (embeddings,
    activations, batch layout, Python). The paths take turns within each repeat; a ratio is ours
    over before's time in the same repeat.
-2. Serving: the engine kept at 4 streams of unique --context-token prompts, 32 output tokens each,
+2. Attention alone, one layer of the target's shapes: the prefill kernel against what ran before it
+   (SDPA over the row's own tokens from position 0; after a cached prefix, the decode kernel where
+   its scratch suffices, and the context gather, mask and SDPA), each repeat timing every one.
+3. Serving: the engine kept at 4 streams of unique --context-token prompts, 32 output tokens each,
    temperature 1.0, until --requests are done: the wall time of prefill steps and of decode steps,
    plain and with the draft (adaptive), at each --max-num-batched-tokens of --budgets, each path
    --serve-repeats times.
@@ -46,6 +49,7 @@ from worker.kernels import paged_attention, prefill_attention, rotate_store
 from worker.models import attention, decoder_forward, llama
 
 PATHS = ("ours", "ours, layers in torch", "before")
+CPU = torch.device("cpu")
 
 KINDS = ("matmul", "attention", "rope + cache write", "norm", "forward in one C call", "rest")
 
@@ -154,6 +158,45 @@ def split_step(engine: LLMEngine, model: str, rows: int, new: int, cached: int, 
     return out
 
 
+def attention_alone(engine: LLMEngine, rows: int, new: int, cached: int, repeats: int) -> dict:
+    """Per way of attending: seconds of one layer's attention (the target's heads), and the
+    prefill kernel's ratio to it in the same repeat."""
+    attn = engine.runner.models["target"].model.layers[0].self_attn
+    H, kvH, D, block = attn.num_heads, attn.num_kv_heads, attn.head_dim, engine.config.block_size
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-(cached + new) // block)
+    cache = torch.randn(2, rows * blocks * block, kvH, D, generator=gen)
+    tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(rows)]
+    batch = attention.build_paged_batch([[1] * new] * rows, [cached] * rows, tables, block, 1, CPU, prefill=True)
+    q = torch.randn(rows, new, H, D, generator=gen)
+    own = cache[:, batch.write_slots].view(2, rows, new, kvH, D).transpose(2, 3)  # [k/v, B, kvH, Q, D]
+    buffers = [torch.empty(batch.gather_slots.numel(), kvH, D) for _ in range(2)]
+    args = (batch.gather_slots, batch.positions, batch.context_lens, None)
+
+    def gathered():
+        keys, values = (llama.read_context(cache[i], batch.gather_slots, buffers[i]) for i in range(2))
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=batch.mask(None, q.dtype),
+                                              enable_gqa=True)
+
+    ways = {"prefill kernel": lambda: prefill_attention.attend(q, cache[0], cache[1], *args)}
+    if cached == 0:
+        ways["SDPA over its own tokens"] = lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2), own[0], own[1], is_causal=True, enable_gqa=True)
+    if paged_attention.runs_on(q, cache, batch.gather_slots.shape[1]):
+        ways["decode kernel"] = lambda: paged_attention.attend(q, cache[0], cache[1], *args)
+    ways["gather, mask and SDPA"] = gathered
+    times = defaultdict(list)
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            for name, run in ways.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    kernel = times["prefill kernel"][1:]
+    return {name: {**spread(t[1:]), "ratio": spread([k / o for k, o in zip(kernel, t[1:])])}
+            for name, t in times.items()}
+
+
 def serve_long_prompts(draft: bool, budget: int, context: int, requests: int, streams: int = 4) -> dict:
     """Prefill and decode seconds while `streams` streams of unique long prompts are kept going."""
     engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, draft_model=DEFAULT_DRAFT_MODEL if draft else None,
@@ -214,11 +257,21 @@ def main() -> None:
                 ratio = {k: f"{r['ratio'][k]:.2f}" for k in ("median", "min", "max")}
                 print(f"| {model}, {what}, {name} | {ms['median']} ({ms['min']}-{ms['max']}) | "
                       f"{ratio['median']} ({ratio['min']}-{ratio['max']}) | {shares} |")
+    print(f"\n2. one layer's attention (the target's heads), median of {args.repeats} (min-max)\n")
+    print("| step | attention | ms | prefill kernel over it |")
+    print("|---|---|---|---|")
+    for rows, new, cached, what in ((1, c, 0, f"{c} new tokens"), (1, 40, c, f"40 new after {c} cached"),
+                                    (8, 40, c, f"8 rows x 40 new after {c} cached")):
+        for name, r in attention_alone(engine, rows, new, cached, args.repeats).items():
+            ms = {k: f"{1000 * r[k]:.2f}" for k in ("median", "min", "max")}
+            ratio = {k: f"{r['ratio'][k]:.2f}" for k in ("median", "min", "max")}
+            print(f"| {what} | {name} | {ms['median']} ({ms['min']}-{ms['max']}) | "
+                  f"{ratio['median']} ({ratio['min']}-{ratio['max']}) |")
     del engine
     if args.skip_serving:
         return
 
-    print(f"\n2. serving 4 streams of unique {c}-token prompts, 32 output tokens each, "
+    print(f"\n3. serving 4 streams of unique {c}-token prompts, 32 output tokens each, "
           f"{args.requests} requests; median of {args.serve_repeats} (min-max)\n")
     print("| engine, path | --max-num-batched-tokens | prefill s (steps) | decode s (steps) | prefill share "
           "| prompt tok/s in prefill | output tok/s |")
