@@ -117,7 +117,7 @@ class Attention(nn.Module):
                           real_tokens(k, batch.write_rows), real_tokens(v, batch.write_rows))
         gqa = H != kvH
         context = batch.gather_slots.shape[1]
-        if prefill_attention.runs_on(q, kv_cache, context) and batch.prefill:  # a prompt's chunk
+        if batch.prefill and prefill_attention.runs_on(q, kv_cache, context):  # a prompt's chunk
             out = prefill_attention.attend(q, kv_cache[0, self.layer], kv_cache[1, self.layer], batch.gather_slots,
                                            batch.positions, batch.context_lens, self.window)
             return linear(out, self.o_proj.weight, self.o_proj.bias)
