@@ -3,7 +3,7 @@ under long prompts, on the shipped pair (CPU, float32); each against the prefill
 prefill attention kernel, measured in the same run.
 
     python bench/prefill.py [--context 1024] [--repeats 5] [--requests 12] [--budgets 2048,512]
-                            [--serve-repeats 1]
+                            [--serve-repeats 1] [--skip-serving]
 
 Paths (PATHS): "ours", what serving runs: a prompt's chunk in one C call (decoder_layers.c) with
 the prefill attention kernel; "ours, layers in torch": the same kernels called layer by layer from
