@@ -91,18 +91,10 @@ def attribute(devices: Iterable[DeviceMemory], states: Mapping[str, EngineState]
         out.devices.append(DeviceRow(dev.device, dev.uuid, _sum(foreign),
                                      _minus(dev.used, _sum(dev.processes))))
     for url, state in states.items():
-        total = _declared_total(state, used_on.get(url, []))
+        total = state.declared_total(used_on.get(url, []))
         if total is not None:
             out.declared[url] = total
     return out
-
-
-def _declared_total(state: EngineState, used: list[DeviceMemory]) -> int | None:
-    """A fixed declaration as it is; a per-device budget summed over the devices the engine uses."""
-    if state.declared_bytes is not None:
-        return state.declared_bytes
-    shares = [state.declared_on(dev) for dev in used]
-    return None if not shares or None in shares else sum(shares)
 
 
 def _foreign_rows(dev: DeviceMemory, foreign: list[ProcessMemory], room: int) -> list[ProcessRow]:

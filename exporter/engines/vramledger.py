@@ -43,13 +43,13 @@ def parse_ledger(url: str, doc: object) -> WorkerLedger:
         raise LedgerError("missing 'worker' or 'device'")
     pid, host_pid, declared = worker.get("pid"), worker.get("host_pid"), doc.get("declared_bytes")
     container_id, kind = worker.get("container_id"), device.get("kind")
-    if not _is_int(pid) or pid <= 0:
+    if not is_int(pid) or pid <= 0:
         raise LedgerError(f"bad worker.pid {pid!r}")
-    if host_pid is not None and (not _is_int(host_pid) or host_pid <= 0):
+    if host_pid is not None and (not is_int(host_pid) or host_pid <= 0):
         raise LedgerError(f"bad worker.host_pid {host_pid!r}")
     if container_id is not None and not isinstance(container_id, str):
         raise LedgerError(f"bad worker.container_id {container_id!r}")
-    if not _is_int(declared) or declared < 0:
+    if not is_int(declared) or declared < 0:
         raise LedgerError(f"bad declared_bytes {declared!r}")
     if kind not in ("cuda", "cpu"):
         raise LedgerError(f"bad device.kind {kind!r}")
@@ -63,12 +63,12 @@ def _kv_usage(kv: object) -> float | None:
     if not isinstance(kv, dict):
         return None
     used, total = kv.get("blocks_used"), kv.get("blocks_total")
-    if not (_is_int(used) and _is_int(total)) or total <= 0 or not 0 <= used <= total:
+    if not (is_int(used) and is_int(total)) or total <= 0 or not 0 <= used <= total:
         return None
     return used / total
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
