@@ -5,15 +5,25 @@ FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VRAMLEDGER_KERNELS_DIR=/opt/vramledger/kernels
+
+# A C compiler (and OpenMP's runtime) for the CPU kernels, which are built below, once, for both
+# instruction sets: a CPU worker started from the image compiles nothing.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libgomp1 \
+ && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/vramledger
 COPY pyproject.toml README.md ./
 COPY worker ./worker
 COPY exporter ./exporter
-# Not editable: the shipped tiny target/draft pair is installed as package data.
-RUN pip install . \
- && python -c "import worker, exporter, pynvml"
+COPY vramledger ./vramledger
+# Not editable: the shipped tiny target/draft pair is installed as package data. The Kubernetes
+# client is the exporter's --kubernetes (the DaemonSet).
+RUN pip install '.[kubernetes]' \
+ && python -c "import worker, exporter, vramledger, pynvml, kubernetes" \
+ && python -m worker.kernels.native "$VRAMLEDGER_KERNELS_DIR"
 
 # Worker API + /metrics on 8000, exporter /metrics on 9400.
 EXPOSE 8000 9400

@@ -129,9 +129,12 @@ def http_run(args, engine_flags: list[str]) -> dict:
             model = client.get("/v1/models").json()["data"][0]["id"]
             max_model_len = args.max_model_len
             prompt_len = max_model_len // 2
-            body = lambda i: {"model": model, "prompt": [(7 * i + j) % 255 + 1 for j in range(prompt_len)],
-                              "max_tokens": max_model_len - prompt_len, "temperature": 0.8,
-                              "ignore_eos": True, "seed": i}
+
+            def body(i: int) -> dict:
+                return {"model": model, "prompt": [(7 * i + j) % 255 + 1 for j in range(prompt_len)],
+                        "max_tokens": max_model_len - prompt_len, "temperature": 0.8, "ignore_eos": True,
+                        "seed": i}
+
             start = time.perf_counter()
             with RssSampler(worker.pid) as sampler, ThreadPoolExecutor(args.requests) as pool:
                 results = list(pool.map(lambda i: client.post("/v1/completions", json=body(i)).status_code,

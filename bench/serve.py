@@ -2,23 +2,31 @@
 serve` and our worker, on the shipped pair, one server at a time, in one run.
 
     python bench/serve.py [--concurrency 1,4,16,32] [--requests-per-stream 3] [--servers NAME,...]
-                          [--prompt-tokens 32] [--output-tokens 128] [--rounds 1] [--no-build-vllm] [--observing]
+                          [--loads short,shared-prefix,long-prompt] [--prompt-tokens 32] [--output-tokens 128]
+                          [--rounds 1] [--no-build-vllm] [--observing]
 
 Servers: vLLM plain and with our draft (k=4, `--speculative-config`), `transformers serve` in both of
 its modes (the table keeps the better one per concurrency), ours plain and with the draft (k=4, and
 adaptive k up to 4: `ours-draft-adaptive`), and both again with `--compile` (`ours-compiled`,
 `ours-draft-adaptive-compiled`: minutes of compiling at startup).
-Each is started, warmed up with two requests, driven by one guidellm run that goes through every
-concurrency (concurrent streams, synthetic prompts, chat completions, temperature 1.0, `ignore_eos`
-so every request makes the same number of tokens), and stopped before the next one starts.
-Prints guidellm's mean output tokens/s per concurrency, the errored requests, the speculative
-acceptance rate read from each server's /metrics, and every figure's ratio to vLLM plain.
+
+Loads (guidellm's synthetic data, chat completions, temperature 1.0, `ignore_eos` so every request
+makes the same number of tokens):
+  short          --prompt-tokens prompts, --output-tokens each, at every --concurrency;
+  shared-prefix  one 1024-token prefix shared by every request (a system prompt) + 32-token prompts,
+                 32 output tokens, 8 streams: what prefix caching saves;
+  long-prompt    unique 1024-token prompts, 32 output tokens, 4 streams: the prefill itself.
+Each server is started, warmed up with two requests, driven by one guidellm run per load, and
+stopped before the next one starts. Prints guidellm's mean output tokens/s (and TTFT median), the
+errored requests, the speculative acceptance rate read from each server's /metrics, and every
+figure's ratio to vLLM plain.
 
 --rounds N measures every server N times, each round in a rotated order (no server always goes
 first), and prints each round's figures, then each ratio's min/median/max over the rounds (taken
 round by round: a ratio only ever compares two servers measured minutes apart) and in how many
-rounds each of issue 14's goals held: ours plain >= 1.0x at every concurrency; ours with the
-draft >= 1.6x at 1 stream, >= 1.2x at 16 and never below ours plain.
+rounds each goal held. Short prompts: ours plain >= 1.0x at every concurrency; ours with the draft
+>= 1.6x at 1 stream, >= 1.2x at 16 and never below ours plain. Shared prefix: output tokens/s
+>= 1.5x and TTFT median <= 0.5x. Long prompts: output tokens/s >= 1.0x.
 
 vLLM's CPU build lives in a venv of its own (scripts/vllm_venv.sh, `make vllm-venv`); this script
 builds it when it is missing (unless --no-build-vllm) and says so when it cannot. guidellm is taken
@@ -62,6 +70,38 @@ ACCEPTANCE_METRICS = {  # (accepted, proposed) counters in each server's /metric
     "vllm": ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
     "ours": ("vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_draft_tokens_total"),
 }
+
+
+@dataclass(frozen=True)
+class Load:
+    """One kind of traffic: guidellm's synthetic prompts of a size, at some concurrencies."""
+
+    name: str
+    label: str
+    prompt_tokens: int
+    output_tokens: int
+    streams: tuple[int, ...]
+    prefix_tokens: int = 0  # a prefix every request starts with (guidellm's prefix_tokens, prefix_count=1)
+
+    def data(self, with_output: bool) -> str:
+        data = f"kind=synthetic_text,prompt_tokens={self.prompt_tokens}"
+        if self.prefix_tokens:
+            data += f",prefix_tokens={self.prefix_tokens},prefix_count=1"
+        return data + (f",output_tokens={self.output_tokens}" if with_output else "")
+
+
+LOADS = ("short", "shared-prefix", "long-prompt")
+
+
+def build_loads(args, names: list[str]) -> dict[str, Load]:
+    known = {
+        "short": Load("short", f"synthetic {args.prompt_tokens}-token prompts, {args.output_tokens} output "
+                      "tokens", args.prompt_tokens, args.output_tokens, tuple(args.concurrency)),
+        "shared-prefix": Load("shared-prefix", "a shared 1024-token prefix + 32-token prompts, 32 output "
+                              "tokens", 32, 32, (8,), prefix_tokens=1024),
+        "long-prompt": Load("long-prompt", "unique 1024-token prompts, 32 output tokens", 1024, 32, (4,)),
+    }
+    return {name: known[name] for name in names}
 
 
 @dataclass
@@ -195,18 +235,18 @@ def guidellm_command() -> str | None:
     return None
 
 
-def run_guidellm(guidellm: str, server: Server, args, streams: list[int], report: Path) -> list[dict]:
-    """One guidellm run through `streams`; per concurrency: output tok/s, requests, errors, TTFT."""
+def run_guidellm(guidellm: str, server: Server, args, load: Load, report: Path,
+                 streams: list[int] | None = None) -> list[dict]:
+    """One guidellm run through the load's streams; per concurrency: output tok/s, requests, errors, TTFT."""
+    streams = list(streams or load.streams)
     body: dict = {"temperature": 1.0}
-    data = f"kind=synthetic_text,prompt_tokens={args.prompt_tokens}"
-    if server.ignore_eos:  # guidellm then sends max_tokens and vLLM's ignore_eos
-        data += f",output_tokens={args.output_tokens}"
-    else:  # transformers refuses ignore_eos; its own generation_config does the same
-        body["generation_config"] = json.dumps({"min_new_tokens": args.output_tokens,
-                                                "max_new_tokens": args.output_tokens})
+    data = load.data(with_output=server.ignore_eos)  # output_tokens: guidellm sends max_tokens and ignore_eos
+    if not server.ignore_eos:  # transformers refuses ignore_eos; its own generation_config does the same
+        body["generation_config"] = json.dumps({"min_new_tokens": load.output_tokens,
+                                                "max_new_tokens": load.output_tokens})
     backend = {"kind": "openai_http", "target": server.url, "model": server.model, "extras": {"body": body}}
     if not server.ignore_eos:
-        backend["max_tokens"] = args.output_tokens
+        backend["max_tokens"] = load.output_tokens
     counts = [max(args.min_requests, args.requests_per_stream * c) for c in streams]
     command = [guidellm, "run", "--backend", json.dumps(backend),
                "--profile", json.dumps({"kind": "concurrent", "streams": streams}),
@@ -250,8 +290,9 @@ def counters(server: Server) -> tuple[float, float] | None:
     return values.get(accepted, 0.0), values.get(proposed, 0.0)
 
 
-def measure(server: Server, guidellm: str, args, logdir: Path) -> dict | str:
-    """Start, warm up, drive, stop; a failure is reported, never raised (the others still run)."""
+def measure(server: Server, guidellm: str, args, loads: dict[str, Load], logdir: Path) -> dict | str:
+    """Start, warm up, drive through every load, stop; a failure is reported, never raised (the
+    others still run)."""
     print(f"measuring {server.name} ...", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
@@ -260,12 +301,15 @@ def measure(server: Server, guidellm: str, args, logdir: Path) -> dict | str:
         ready = time.monotonic() - started
         warm_up(server)
         before = counters(server)
-        rows = run_guidellm(guidellm, server, args, list(args.concurrency), logdir / f"{server.name}.json")
+        results = {}
+        for name, load in loads.items():
+            rows = run_guidellm(guidellm, server, args, load, logdir / f"{server.name}-{name}.json")
+            results[name] = {r["streams"]: r for r in rows}
         after = counters(server)
         acceptance = None
         if before is not None and after[1] > before[1]:
             acceptance = (after[0] - before[0]) / (after[1] - before[1])
-        return {"rows": {r["streams"]: r for r in rows}, "acceptance": acceptance, "startup_s": ready}
+        return {"loads": results, "acceptance": acceptance, "startup_s": ready}
     except Exception as exc:  # noqa: BLE001 - one server failing must not hide the others
         return f"failed: {exc}"
     finally:
@@ -273,7 +317,7 @@ def measure(server: Server, guidellm: str, args, logdir: Path) -> dict | str:
 
 
 # --- the cost of observing -------------------------------------------------------------------
-def observing_cost(args, guidellm: str, logdir: Path) -> dict | str:
+def observing_cost(args, guidellm: str, load: Load, logdir: Path) -> dict | str:
     """Ours with the draft, metrics on (scraped every 0.1 s) vs off, alternating guidellm runs."""
     c = max(args.concurrency)
     on = our_server("metrics-on", args, free_port(), draft=True)
@@ -294,7 +338,7 @@ def observing_cost(args, guidellm: str, logdir: Path) -> dict | str:
             if scraper:
                 scraper.start()
             try:
-                (row,) = run_guidellm(guidellm, server, args, [c], logdir / f"observing-{i}.json")
+                (row,) = run_guidellm(guidellm, server, args, load, logdir / f"observing-{i}.json", [c])
             finally:
                 stop.set()
                 if scraper:
@@ -322,23 +366,32 @@ def scrape(server: Server, stop: threading.Event, latencies: list[float]) -> Non
 
 # --- the report --------------------------------------------------------------------------------
 def best_transformers(results: dict) -> dict | str | None:
-    """The better of transformers serve's two modes at each concurrency, the mode named."""
+    """The better of transformers serve's two modes at each load and concurrency, the mode named."""
     modes = {n: r for n, r in results.items() if n.startswith("transformers")}
     if not modes:
         return None
     measured = {n: r for n, r in modes.items() if isinstance(r, dict)}
     if not measured:
         return "; ".join(f"{n}: {r}" for n, r in modes.items())
-    rows = {}
+    loads: dict[str, dict] = {}
     for name, r in measured.items():
         tag = "cb" if name.endswith("-cb") else "no cb"
-        for c, row in r["rows"].items():
-            if c not in rows or row["tok_s"] > rows[c]["tok_s"]:
-                rows[c] = {**row, "mode": tag}
-    return {"rows": rows, "acceptance": None}
+        for load, rows in r["loads"].items():
+            best = loads.setdefault(load, {})
+            for c, row in rows.items():
+                if c not in best or row["tok_s"] > best[c]["tok_s"]:
+                    best[c] = {**row, "mode": tag}
+    return {"loads": loads, "acceptance": None}
 
 
-def print_report(results: dict, observing, args) -> None:
+def figure(result, load: str, c: int, key: str = "tok_s") -> float | None:
+    """One server's figure (tok_s or ttft_ms) for a load at c streams in one round; None when it
+    failed or lacks that row."""
+    row = result["loads"].get(load, {}).get(c) if isinstance(result, dict) else None
+    return row[key] if row else None
+
+
+def print_report(results: dict, observing, args, loads: dict[str, Load]) -> None:
     table = {n: r for n, r in results.items() if not n.startswith("transformers")}
     best = best_transformers(results)
     order = [n for n in ("vllm", "vllm-draft") if n in table]
@@ -346,46 +399,48 @@ def print_report(results: dict, observing, args) -> None:
         table["transformers"] = best
         order.append("transformers")
     order += [n for n in SERVERS if n.startswith("ours") and n in table]
-    cs = list(args.concurrency)
-    print(f"\nguidellm {guidellm_version()}: chat completions, synthetic {args.prompt_tokens}-token prompts, "
-          f"{args.output_tokens} output tokens (ignore_eos), temperature 1.0, float32, CPU; "
-          f"{args.requests_per_stream} requests per stream (at least {args.min_requests})"
+    print(f"\nguidellm {guidellm_version()}: chat completions, synthetic prompts, ignore_eos, temperature "
+          f"1.0, float32, CPU; {args.requests_per_stream} requests per stream (at least {args.min_requests})"
           + (f", at most {args.max_seconds:.0f} s" if args.max_seconds else "") + "; one server at a time")
-    print("mean output tokens/s (guidellm), by concurrent streams\n")
-    print("| server | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in cs) + " | draft acceptance | errored |")
-    print("|---" * (len(cs) + 3) + "|")
-    for name in order:
-        r = table[name]
-        if isinstance(r, str):
-            print(f"| {LABELS[name]} | " + " | ".join("n/a" for _ in cs) + f" | n/a | {r} |")
-            continue
-        cells = []
-        for c in cs:
-            row = r["rows"].get(c)
-            cells.append("n/a" if row is None else f"{row['tok_s']:.0f}" + (f" ({row['mode']})" if "mode" in row else ""))
-        errored = str(sum(row["errored"] for row in r["rows"].values()))
-        incomplete = sum(row["incomplete"] for row in r["rows"].values())
-        if incomplete:  # cut by --max-seconds, not failed
-            errored += f" ({incomplete} cut by --max-seconds)"
-        acceptance = "" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
-        print(f"| {LABELS[name]} | " + " | ".join(cells) + f" | {acceptance} | {errored} |")
     ref = table.get("vllm")
-    print("\nratio to vLLM plain (higher is better)\n")
-    print("| server | " + " | ".join(f"{c}" for c in cs) + " |")
-    print("|---" * (len(cs) + 1) + "|")
-    for name in order:
-        r = table[name]
-        cells = []
-        for c in cs:
-            row = r["rows"].get(c) if isinstance(r, dict) else None
-            base = ref["rows"].get(c) if isinstance(ref, dict) else None
-            cells.append(f"{row['tok_s'] / base['tok_s']:.2f}x" if row and base and base["tok_s"] else "n/a")
-        print(f"| {LABELS[name]} | " + " | ".join(cells) + " |")
-    ttft = [(n, table[n]) for n in order if isinstance(table[n], dict)]
-    if ttft:
-        print("\nTTFT median ms (guidellm): " + "; ".join(
-            f"{LABELS[n]}: " + "/".join(f"{r['rows'][c]['ttft_ms']:.0f}" if c in r["rows"] else "n/a" for c in cs)
-            for n, r in ttft))
+    for load in loads.values():
+        cs = list(load.streams)
+        print(f"\n{load.label}: mean output tokens/s (guidellm), by concurrent streams\n")
+        print("| server | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in cs)
+              + " | draft acceptance | errored |")
+        print("|---" * (len(cs) + 3) + "|")
+        for name in order:
+            r = table[name]
+            if isinstance(r, str):
+                print(f"| {LABELS[name]} | " + " | ".join("n/a" for _ in cs) + f" | n/a | {r} |")
+                continue
+            rows = r["loads"].get(load.name, {})
+            cells = ["n/a" if rows.get(c) is None else f"{rows[c]['tok_s']:.0f}"
+                     + (f" ({rows[c]['mode']})" if "mode" in rows[c] else "") for c in cs]
+            errored = str(sum(row["errored"] for row in rows.values()))
+            incomplete = sum(row["incomplete"] for row in rows.values())
+            if incomplete:  # cut by --max-seconds, not failed
+                errored += f" ({incomplete} cut by --max-seconds)"
+            acceptance = "" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
+            print(f"| {LABELS[name]} | " + " | ".join(cells) + f" | {acceptance} | {errored} |")
+        print("\nratio to vLLM plain: output tokens/s (higher is better), TTFT median (lower is better)\n")
+        print("| server | " + " | ".join(f"{c}: tok/s, TTFT" for c in cs) + " |")
+        print("|---" * (len(cs) + 1) + "|")
+        for name in order:
+            cells = []
+            for c in cs:
+                ratios = []
+                for key in ("tok_s", "ttft_ms"):
+                    ours, base = figure(table[name], load.name, c, key), figure(ref, load.name, c, key)
+                    ratios.append(f"{ours / base:.2f}x" if ours is not None and base else "n/a")
+                cells.append(", ".join(ratios))
+            print(f"| {LABELS[name]} | " + " | ".join(cells) + " |")
+        measured = [(n, table[n]) for n in order if isinstance(table[n], dict)]
+        if measured:
+            print("\nTTFT median ms (guidellm): " + "; ".join(
+                f"{LABELS[n]}: " + "/".join("n/a" if figure(r, load.name, c, "ttft_ms") is None
+                                             else f"{figure(r, load.name, c, 'ttft_ms'):.0f}" for c in cs)
+                for n, r in measured))
     if observing is not None:
         print("\ncost of observing (ours with the draft; metrics on and scraped every 0.1 s vs VRAMLEDGER_METRICS=off)")
         if isinstance(observing, str):
@@ -396,60 +451,81 @@ def print_report(results: dict, observing, args) -> None:
                   f"{observing['scrape_p99'] * 1000:.1f} ms ({observing['scrapes']} scrapes)")
 
 
-def tok_s(result, c: int) -> float | None:
-    """One server's tok/s at c streams in one round; None when it failed or lacks that row."""
-    row = result["rows"].get(c) if isinstance(result, dict) else None
-    return row["tok_s"] if row else None
-
-
-def goals(round_results: dict, cs: list[int]) -> dict[str, bool | None]:
-    """Issue 14's goals in one round; None where a figure it needs is missing."""
-    def at(name: str, c: int) -> float | None:
-        return tok_s(round_results.get(name), c)
+def goals(round_results: dict, loads: dict[str, Load]) -> dict[str, bool | None]:
+    """The goals of the loads measured, in one round; None where a figure a goal needs is missing."""
+    def at(name: str, load: str, c: int, key: str = "tok_s") -> float | None:
+        return figure(round_results.get(name), load, c, key)
 
     def holds(pairs: list[tuple[float | None, float | None, float]]) -> bool | None:
+        """Each (a, b, factor): a >= factor * b."""
         if any(a is None or b is None for a, b, _ in pairs):
             return None
         return all(a >= factor * b for a, b, factor in pairs)
 
     draft = next((n for n in ("ours-draft-adaptive", "ours-draft") if n in round_results), None)
-    out = {"ours plain >= 1.0x vLLM at every concurrency":
-           holds([(at("ours", c), at("vllm", c), 1.0) for c in cs])}
-    if draft is not None:
-        out[f"{LABELS[draft]} >= 1.6x at 1 stream"] = holds([(at(draft, 1), at("vllm", 1), 1.6)])
-        out[f"{LABELS[draft]} >= 1.2x at 16 streams"] = holds([(at(draft, 16), at("vllm", 16), 1.2)])
-        out[f"{LABELS[draft]} never below ours plain"] = holds([(at(draft, c), at("ours", c), 1.0) for c in cs])
+    out = {}
+    if "short" in loads:
+        cs = list(loads["short"].streams)
+        out["short prompts: ours plain >= 1.0x vLLM at every concurrency"] = \
+            holds([(at("ours", "short", c), at("vllm", "short", c), 1.0) for c in cs])
+        if draft is not None:
+            label = f"short prompts: {LABELS[draft]}"
+            vllm_at = {c: at("vllm", "short", c) for c in cs}
+            out[f"{label} >= 1.6x at 1 stream"] = holds([(at(draft, "short", 1), vllm_at.get(1), 1.6)])
+            out[f"{label} >= 1.2x at 16 streams"] = holds([(at(draft, "short", 16), vllm_at.get(16), 1.2)])
+            out[f"{label} never below ours plain"] = holds([(at(draft, "short", c), at("ours", "short", c),
+                                                             1.0) for c in cs])
+    if "shared-prefix" in loads:
+        c = loads["shared-prefix"].streams[0]
+        for name in ["ours"] + [draft] * (draft is not None):
+            label = f"shared prefix, {c} streams: {LABELS[name]}"
+            out[f"{label}, output tok/s >= 1.5x"] = holds([(at(name, "shared-prefix", c),
+                                                              at("vllm", "shared-prefix", c), 1.5)])
+            out[f"{label}, TTFT median <= 0.5x"] = holds([(at("vllm", "shared-prefix", c, "ttft_ms"),
+                                                             at(name, "shared-prefix", c, "ttft_ms"), 2.0)])
+    if "long-prompt" in loads:
+        c = loads["long-prompt"].streams[0]
+        out[f"long prompts, {c} streams: ours plain, output tok/s >= 1.0x"] = \
+            holds([(at("ours", "long-prompt", c), at("vllm", "long-prompt", c), 1.0)])
     return out
 
 
-def print_spread(rounds: list[dict], args) -> None:
-    """Each round's tok/s, each ratio to vLLM plain as min/median/max over rounds, the goals' tally."""
-    cs = list(args.concurrency)
+def print_spread(rounds: list[dict], loads: dict[str, Load]) -> None:
+    """Each round's figures, each ratio to vLLM plain as min/median/max over rounds, the goals' tally."""
     names = [n for n in SERVERS if any(n in r for r in rounds)]
-    print(f"\n{len(rounds)} rounds, servers in a rotated order each round; tok/s at "
-          + "/".join(map(str, cs)) + " streams\n")
-    print("| server | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " |")
-    print("|---" * (len(rounds) + 1) + "|")
-    for name in names:
-        cells = ["/".join("n/a" if tok_s(r.get(name), c) is None else f"{tok_s(r.get(name), c):.0f}" for c in cs)
-                 if isinstance(r.get(name), dict) else "n/a" for r in rounds]
-        print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
-    print("\nratio to vLLM plain in the same round, min / median / max over the rounds\n")
-    print("| server | " + " | ".join(f"{c}" for c in cs) + " |")
-    print("|---" * (len(cs) + 1) + "|")
-    for name in names:
-        cells = []
-        for c in cs:
-            ratios = [tok_s(r.get(name), c) / tok_s(r.get("vllm"), c) for r in rounds
-                      if tok_s(r.get(name), c) is not None and tok_s(r.get("vllm"), c)]
-            cells.append(f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}"
-                         if ratios else "n/a")
-        print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
+    for load in loads.values():
+        cs = list(load.streams)
+        keys = ("tok_s",) if load.name == "short" else ("tok_s", "ttft_ms")
+        print(f"\n{load.label}: {len(rounds)} rounds, servers in a rotated order each round; tok/s"
+              + (", TTFT median ms" if len(keys) > 1 else "") + " at " + "/".join(map(str, cs))
+              + " streams\n")
+        print("| server | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " |")
+        print("|---" * (len(rounds) + 1) + "|")
+        for name in names:
+            cells = [", ".join("/".join("n/a" if figure(r.get(name), load.name, c, key) is None
+                                        else f"{figure(r.get(name), load.name, c, key):.0f}" for c in cs)
+                               for key in keys) if isinstance(r.get(name), dict) else "n/a" for r in rounds]
+            print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
+        for key in keys:
+            what = "output tok/s" if key == "tok_s" else "TTFT median"
+            print(f"\n{load.label}: {what} as a ratio to vLLM plain in the same round, min / median / max "
+                  "over the rounds\n")
+            print("| server | " + " | ".join(f"{c}" for c in cs) + " |")
+            print("|---" * (len(cs) + 1) + "|")
+            for name in names:
+                cells = []
+                for c in cs:
+                    pairs = [(figure(r.get(name), load.name, c, key),
+                              figure(r.get("vllm"), load.name, c, key)) for r in rounds]
+                    ratios = [a / b for a, b in pairs if a is not None and b]
+                    cells.append(f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}"
+                                 if ratios else "n/a")
+                print(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
     tallies: dict[str, list[bool | None]] = {}
     for r in rounds:
-        for goal, held in goals(r, cs).items():
+        for goal, held in goals(r, loads).items():
             tallies.setdefault(goal, []).append(held)
-    print("\nissue 14's goals, rounds where each held")
+    print("\ngoals, rounds where each held")
     for goal, held in tallies.items():
         measured = [h for h in held if h is not None]
         print(f"  {goal}: {sum(measured)} of {len(measured)}"
@@ -474,8 +550,10 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=8, help="at least this many at each concurrency")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="also end each concurrency's run after this long (in-flight requests are cut)")
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="the short load's prompts")
+    parser.add_argument("--output-tokens", type=int, default=128, help="the short load's completions")
+    parser.add_argument("--loads", default=",".join(LOADS), type=lambda s: s.split(","),
+                        help=f"a subset of {','.join(LOADS)}")
     parser.add_argument("--servers", default=",".join(SERVERS), type=lambda s: s.split(","),
                         help=f"a subset of {','.join(SERVERS)}")
     parser.add_argument("--no-build-vllm", action="store_true", help="skip vLLM when its venv is missing")
@@ -489,6 +567,10 @@ def main() -> int:
     unknown = set(args.servers) - set(SERVERS)
     if unknown:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {','.join(SERVERS)}")
+    unknown = set(args.loads) - set(LOADS)
+    if unknown:
+        parser.error(f"unknown loads {sorted(unknown)}; choose from {','.join(LOADS)}")
+    loads = build_loads(args, args.loads)
     for path in (args.model, args.draft_model):
         if not Path(path, "config.json").is_file():
             print(f"error: no checkpoint at {path} (pass --model/--draft-model)", file=sys.stderr)
@@ -506,14 +588,16 @@ def main() -> int:
             results = {}
             for name in names:
                 server = servers[name]
-                results[name] = server if isinstance(server, str) else measure(server, guidellm, args, logdir)
+                results[name] = server if isinstance(server, str) else \
+                    measure(server, guidellm, args, loads, logdir)
                 print(f"  round {i + 1} {name}: {json.dumps(results[name], default=str)}", file=sys.stderr,
                       flush=True)
             rounds.append(results)
-        observing = observing_cost(args, guidellm, logdir) if args.observing else None
-        print_report(rounds[-1], observing, args)
+        observing = observing_cost(args, guidellm, build_loads(args, ["short"])["short"], logdir) \
+            if args.observing else None
+        print_report(rounds[-1], observing, args, loads)
         if args.rounds > 1:
-            print_spread(rounds, args)
+            print_spread(rounds, loads)
         if args.json:
             Path(args.json).write_text(json.dumps({"rounds": rounds, "observing": observing}, indent=1,
                                                   default=str))

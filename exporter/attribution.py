@@ -9,7 +9,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from exporter.engines.base import EngineState
-from exporter.sources import DeviceMemory, ProcessMemory
+from exporter.sources import DeviceMemory
+from vramledger.processes import ProcessMemory
 
 WORKER, FOREIGN = "worker", "foreign"
 

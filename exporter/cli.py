@@ -5,7 +5,6 @@ import argparse
 import gc
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -18,20 +17,10 @@ from exporter.engines import Engines, base_url, parse_vllm_arg
 from exporter.errors import ErrorLog
 from exporter.kubernetes import PodDirectory
 from exporter.sources import SourceUnavailable, open_source
+from vramledger.units import parse_size
 
 log = logging.getLogger("exporter")
 STARTUP_WAIT = 2.0  # seconds the first read may delay the start, whatever --worker-timeout
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """A byte count: 67108864, 64MiB, 0.5GiB, 100MB."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 67108864, 64MiB, 1GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def _positive_int(text: str) -> int:
@@ -161,3 +150,14 @@ def refuse_wrong_kinds(engines: Engines) -> None:
     for reading in engines.read(min(engines.timeout, STARTUP_WAIT)).values():
         if reading.wrong_kind:
             raise ValueError(reading.reason)
+
+
+def run() -> None:
+    """`python -m exporter` and the vramledger-exporter script: main(), then exit at once rather than
+    after joining the engine readers' threads (one stuck on an engine that never answers would hold a
+    stopping exporter for its whole --worker-timeout)."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -84,7 +84,10 @@ class PodDirectory:
     @classmethod
     def connect(cls, node_name: str, errors: ErrorLog, **kwargs) -> PodDirectory:
         """Credentials from the pod's service account, or from a kubeconfig outside a cluster."""
-        from kubernetes import client, config
+        try:
+            from kubernetes import client, config
+        except ImportError as e:  # an optional extra: only --kubernetes needs it
+            raise RuntimeError("the Kubernetes client is not installed: pip install 'vramledger[kubernetes]'") from e
 
         try:
             config.load_incluster_config()

@@ -11,20 +11,13 @@ import psutil
 
 from exporter.errors import ErrorLog
 from exporter.procfs import ProportionalSizes, pids, read_rss, read_start
+from vramledger import nvml_devices
+from vramledger.processes import ProcessMemory
+from vramledger.units import MiB
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 HOST = "host"  # the device label of the host reader
-
-
-@dataclass(frozen=True)
-class ProcessMemory:
-    """One process on a device; bytes is None when the driver cannot say."""
-    pid: int
-    name: str
-    bytes: int | None
-    measure: str  # what bytes is: "nvml" (used GPU memory), "pss" or "rss" (host)
 
 
 @dataclass(frozen=True)
@@ -143,17 +136,11 @@ class NvmlSource:
         return m.total, m.used, m.free, None
 
     def _processes(self, handle, label: str) -> tuple[ProcessMemory, ...] | None:
-        nvml = self._nvml
         try:
-            infos = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        except nvml.NVMLError as e:
+            used = nvml_devices.memory_by_pid(self._nvml, handle)
+        except self._nvml.NVMLError as e:
             self._errors.record(self.name, type(e).__name__, f"device {label}: cannot list processes: {e}")
             return None
-        used: dict[int, int | None] = {}
-        for info in infos:  # a pid may appear once per context: sum them
-            before = used.get(info.pid, 0)
-            mem = info.usedGpuMemory
-            used[info.pid] = None if before is None or mem is None else before + mem
         return tuple(ProcessMemory(pid, self._process_name(pid), b, "nvml") for pid, b in used.items())
 
     def _process_name(self, pid: int) -> str:

@@ -1,4 +1,5 @@
-"""bench/serve.py's verdict on issue 14's goals, from figures given here (no server runs)."""
+"""bench/serve.py's verdict on the serving goals, from figures given here (no server runs)."""
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -18,24 +19,45 @@ def serve():
     return module
 
 
-def result(*tok_s):
-    return {"rows": {c: {"tok_s": t} for c, t in zip(CS, tok_s)}, "acceptance": None}
+def loads(serve, *names):
+    args = argparse.Namespace(prompt_tokens=32, output_tokens=128, concurrency=CS)
+    return serve.build_loads(args, list(names))
+
+
+def result(*tok_s, shared=None, long=None):
+    """Short-load tok/s at CS; shared: (tok/s, TTFT ms) at 8 streams; long: tok/s at 4 streams."""
+    figures = {"short": {c: {"tok_s": t} for c, t in zip(CS, tok_s)}}
+    if shared is not None:
+        figures["shared-prefix"] = {8: {"tok_s": shared[0], "ttft_ms": shared[1]}}
+    if long is not None:
+        figures["long-prompt"] = {4: {"tok_s": long, "ttft_ms": 1000.0}}
+    return {"loads": figures, "acceptance": None}
 
 
 def test_every_goal_holds_at_its_threshold(serve):
-    verdict = serve.goals({"vllm": result(100, 400, 1000, 1200), "ours": result(100, 400, 1000, 1200),
-                           "ours-draft-adaptive": result(160, 400, 1200, 1200)}, CS)
-    assert list(verdict.values()) == [True, True, True, True]
+    verdict = serve.goals({"vllm": result(100, 400, 1000, 1200, shared=(200, 1000), long=30),
+                           "ours": result(100, 400, 1000, 1200, shared=(300, 500), long=30),
+                           "ours-draft-adaptive": result(160, 400, 1200, 1200, shared=(300, 500))},
+                          loads(serve, "short", "shared-prefix", "long-prompt"))
+    assert len(verdict) == 4 + 2 * 2 + 1 and all(held is True for held in verdict.values())
 
 
 def test_each_goal_fails_on_its_own_figure(serve):
     vllm, plain, draft = result(100, 400, 1000, 1200), result(100, 399, 1000, 1200), result(159, 500, 1199, 1199)
-    verdict = serve.goals({"vllm": vllm, "ours": plain, "ours-draft-adaptive": draft}, CS)
+    verdict = serve.goals({"vllm": vllm, "ours": plain, "ours-draft-adaptive": draft}, loads(serve, "short"))
     assert list(verdict.values()) == [False, False, False, False]
+    verdict = serve.goals({"vllm": result(shared=(200, 1000), long=30),
+                           "ours": result(shared=(299, 400), long=29.9),
+                           "ours-draft-adaptive": result(shared=(400, 501))},
+                          loads(serve, "shared-prefix", "long-prompt"))
+    assert list(verdict.values()) == [False, True, True, False, False]
 
 
 def test_a_failed_server_leaves_its_goals_unjudged(serve):
     verdict = serve.goals({"vllm": "failed: exited with 1", "ours": result(100, 400, 1000, 1200),
-                           "ours-draft-adaptive": result(160, 480, 1200, 1300)}, CS)
+                           "ours-draft-adaptive": result(160, 480, 1200, 1300)}, loads(serve, "short"))
     assert verdict[next(iter(verdict))] is None
     assert list(verdict.values())[1:] == [None, None, True]
+    verdict = serve.goals({"vllm": result(shared=(200, 1000)), "ours": result()},
+                          loads(serve, "shared-prefix"))
+    assert list(verdict.values()) == [None, None]  # ours has no shared-prefix figures

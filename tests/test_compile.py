@@ -7,10 +7,10 @@ time). bench/compile_forward.py checks inductor's logits against eager (largest 
 import pytest
 import torch
 
-from worker.models.compiled import compile_model
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
+from worker.models.compiled import compile_model
 from worker.models.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from dashboard_queries import ROOT
 
@@ -82,7 +83,20 @@ def test_images_build_from_the_repo_dockerfile():
         for source in sources:
             if not source.startswith("--"):
                 assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
-    assert re.search(r"^RUN\s+pip install \.", dockerfile, re.MULTILINE), "the image must pip install the project"
+    assert re.search(r"^RUN\s+pip install '?\.", dockerfile, re.MULTILINE), "the image must pip install the project"
+    # Every package of the distribution is copied in before the install, or the image lacks it.
+    packages = [p.rstrip("*") for p in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                ["tool"]["setuptools"]["packages"]["find"]["include"]]
+    copied = {shlex.split(line)[0] for line in re.findall(r"^COPY\s+(.+)$", dockerfile, re.MULTILINE)}
+    assert set(packages) <= copied, f"Dockerfile does not copy {set(packages) - copied}"
+
+
+def test_the_image_ships_its_cpu_kernels_prebuilt():
+    from worker.kernels import native
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(rf"^ENV\b.*\b{native.PREBUILT_ENV}=(\S+)", dockerfile, re.MULTILINE | re.DOTALL)
+    assert f'python -m worker.kernels.native "${native.PREBUILT_ENV}"' in dockerfile
 
 
 def _worker_args():

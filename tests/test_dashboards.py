@@ -34,6 +34,7 @@ REQUIRED_SERIES = {
         "vramledger_process_memory_bytes", "vramledger_unaccounted_memory_bytes",
         "vramledger_foreign_memory_at_start_bytes", "vramledger_kv_cache_usage_ratio",
         "vramledger_kv_cache_blocks_used", "vramledger_kv_cache_blocks_total",
+        "vramledger_kv_cache_blocks_cached", "vramledger_kv_cache_blocks_free",
         "vramledger_device_memory_used_bytes", "vramledger_device_process_memory_bytes",
         "vramledger_device_foreign_memory_bytes", "vramledger_worker_observed_memory_bytes",
         "vramledger_worker_declared_memory_bytes", "vramledger_worker_unaccounted_memory_bytes",
@@ -46,7 +47,8 @@ REQUIRED_SERIES = {
         "vramledger:spec_decode_acceptance_rate:rate5m", "vramledger:spec_decode_mean_acceptance_length:rate5m",
         "vramledger_spec_decode_accepted_tokens_per_position_total",
         "vramledger_spec_decode_request_acceptance_ratio_bucket", "vramledger_preemptions_total",
-        "vramledger_spec_decode_num_speculative_tokens",
+        "vramledger_spec_decode_num_speculative_tokens", "vramledger_prefix_cache_queries_total",
+        "vramledger_prefix_cache_hits_total",
     },
 }
 LEDGER_COMPONENTS = {"runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch",

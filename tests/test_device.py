@@ -11,14 +11,9 @@ import psutil
 import pytest
 import torch
 
-from worker.memory.device import (
-    CpuDevice,
-    CudaDevice,
-    ProcessMemory,
-    get_device,
-    host_pid,
-    in_host_pid_namespace,
-)
+from vramledger.identity import host_pid, in_host_pid_namespace
+from vramledger.processes import ProcessMemory
+from worker.memory.device import CpuDevice, CudaDevice, get_device
 
 MiB, GiB = 1 << 20, 1 << 30
 NEIGHBOUR_PID = 999_999
@@ -125,7 +120,7 @@ def test_cuda_maps_torch_device_to_nvml_by_uuid_and_reads_own_pid(fake_cuda):
     assert device.uuid == "GPU-bbbb-2222"
     assert device.process_bytes() == 3 * GiB
     assert device.process_peak_bytes() == 3 * GiB
-    assert device.other_processes() == [ProcessMemory(NEIGHBOUR_PID, "neighbour", 2 * GiB)]
+    assert device.other_processes() == [ProcessMemory(NEIGHBOUR_PID, "neighbour", 2 * GiB, "nvml")]
 
 
 def test_cuda_falls_back_to_pci_bus_id_then_visible_devices(fake_cuda, monkeypatch, caplog):

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 import socket
+import subprocess
 import threading
 import time
 

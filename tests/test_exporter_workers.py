@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporter.cli import build_parser, parse_size
+from exporter.cli import build_parser
 from exporter.collector import ExporterCollector
 from exporter.engines import Engines
 from exporter.engines.vramledger import LedgerError, WorkerLedger, parse_ledger
@@ -190,9 +190,3 @@ def test_cli_rejects_bad_values():
     for argv in (["--backend", "rocm"], ["--min-process-memory", "lots"], ["--max-processes", "0"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
-
-
-@pytest.mark.parametrize("text, size", [("67108864", 64 << 20), ("64MiB", 64 << 20), ("1GiB", 1 << 30),
-                                        ("0.5GiB", 1 << 29), ("100MB", 10**8), ("512 kib", 512 << 10)])
-def test_parse_size(text, size):
-    assert parse_size(text) == size

@@ -35,8 +35,8 @@ def test_scheduler_preempts_newest_and_leaks_nothing():
     sched.add(new)
     batch = sched.schedule()
     assert batch.is_prefill and [s.request_id for s in batch.seqs] == ["old", "new"]
-    for s in batch.seqs:
-        s.num_cached = len(s)
+    for s in batch.seqs:  # as the engine's prefill leaves them
+        s.num_cached, s.prefilled = len(s), True
         s.output_token_ids.append(1)
     # Each now needs 7 + 2 slots = 3 blocks: only one fits, the newest is preempted.
     batch = sched.schedule()

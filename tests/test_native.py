@@ -78,3 +78,16 @@ def test_without_avx512_or_avx2_nothing_is_built(monkeypatch, fresh_loads):
     monkeypatch.setattr(native, "build", lambda *a, **k: pytest.fail("built for a CPU that cannot run it"))
     assert native.load("blocked_linear") is None
     assert native.function("blocked_linear", "blocked_linear") is None
+
+
+def test_prebuilt_kernels_load_where_no_compiler_runs(monkeypatch, tmp_path, fresh_loads):
+    """An image ships every kernel built for both instruction sets; at run time nothing compiles."""
+    if not shutil.which("cc") or native.isa() is None:
+        pytest.skip("no C compiler, or not an x86 CPU with AVX2")
+    built = native.build_all(tmp_path / "prebuilt")
+    assert len(built) == len(list(native.HERE.glob("*.c"))) * len(native.ISA_FLAGS)
+    monkeypatch.setenv(native.PREBUILT_ENV, str(tmp_path / "prebuilt"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "build", lambda *a, **k: pytest.fail("compiled although a prebuilt library exists"))
+    assert native.load("blocked_linear") is not None
+    assert not (tmp_path / "cache").exists()

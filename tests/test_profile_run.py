@@ -4,7 +4,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
-from worker.engine.profile_run import profile_blocks, run_worst_case
+from worker.engine.profile_run import prefill_shapes, profile_blocks, run_worst_case
 from worker.engine.speculation import CATCH_UP_CHUNK
 from worker.models.loader import load_model
 
@@ -22,7 +22,40 @@ def test_decode_step_proposes_k_after_the_longest_catch_up(checkpoints, speculat
     runner.forward = lambda name, rows, *args, **kw: calls.append((name, len(rows), len(rows[0]))) or \
         forward(name, rows, *args, **kw)
     run_worst_case(runner, config)
-    decode = calls[2:]  # after the target's and the draft's prefill
+    decode = calls[2 * len(prefill_shapes(runner, config, 64)):]  # after the target's and draft's prefills
     # A plain step runs the target alone; a step that proposes again first feeds the draft what it missed
     # (the bonus token, or after plain steps what its catch-up left), then proposes k-1 more, then verifies k+1.
     assert decode == [("draft", 3, behind), ("draft", 3, 1), ("draft", 3, 1), ("target", 3, 4)]
+
+
+def test_every_prefill_step_of_serving_fits_the_profiled_shapes(checkpoints):
+    """Chunks and cache hits make prefill rows that start past position 0: the profile runs the
+    widest such step (as many rows as may run, at the longest context), and serving's prefill
+    steps never pass the token budget the profile's steps fill."""
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"],
+                          max_model_len=96, max_num_seqs=6, max_num_batched_tokens=32)
+    engine = LLMEngine(config)
+    shapes = prefill_shapes(engine.runner, config, 96)
+    assert shapes[:2] == [(1, 32, 0), (6, 5, 91)]  # from position 0; the most rows at the longest context
+    assert all(rows * width <= 32 and start + width <= 96 for rows, width, start in shapes)
+    steps, schedule = [], engine.scheduler.schedule
+
+    def schedule_and_record():
+        batch = schedule()
+        if batch is not None and batch.is_prefill:
+            steps.append([(s.num_cached, c) for s, c in zip(batch.seqs, batch.chunks)])
+        return batch
+
+    engine.scheduler.schedule = schedule_and_record
+    shared = list(range(1, 40))
+    prompts = [list(range(100, 180)), list(range(200, 270))]
+    prompts += [shared + [300 + i] * (i + 1) for i in range(6)]
+    engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for rows in steps:
+        assert len(rows) * max(c for _, c in rows) <= 32 and len(rows) <= 6
+        assert all(start + c <= 96 for start, c in rows)
+    assert any(start > 0 for rows in steps for start, _ in rows)  # chunks and cache hits ran
+    assert engine.blocks.hit_tokens > 0

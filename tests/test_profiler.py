@@ -15,7 +15,8 @@ from test_device import FakeCuda, props, two_gpus
 from torch import nn
 
 from vramledger.identity import container_id_from
-from worker.memory.device import CpuDevice, CudaDevice, ProcessMemory
+from vramledger.processes import ProcessMemory
+from worker.memory.device import CpuDevice, CudaDevice
 from worker.memory.ledger import Ledger, format_table, plot, summary_line
 from worker.memory.profiler import (
     MemorySnapshot,
@@ -182,13 +183,14 @@ def _shape(value):
 def test_ledger_document_matches_docs(cpu):
     documented = json.loads(re.search(r"```json\n(.*?)```", LEDGER_DOC.read_text(), re.DOTALL).group(1))
     ledger = _ledger(cpu)
-    ledger.foreign_at_start_processes = [ProcessMemory(999, "python", 1_900_000_000)]
-    doc = ledger.to_dict(process_bytes=5 * GiB, blocks_used=7)
+    ledger.foreign_at_start_processes = [ProcessMemory(999, "python", 1_900_000_000, "nvml")]
+    doc = ledger.to_dict(process_bytes=5 * GiB, blocks_used=7, blocks_cached=3)
     assert _shape(doc) == _shape(documented)
     assert [e["component"] for e in doc["entries"]] == [e["component"] for e in documented["entries"]]
     assert doc["declared_bytes"] == sum(e["bytes"] for e in doc["entries"]) == doc["live"]["declared_bytes"]
     assert doc["kv_cache"] == {"block_size": 16, "bytes_per_block": MiB, "blocks_total": 2000,
-                               "blocks_used": 7, "capacity_tokens": 32000}
+                               "blocks_used": 7, "blocks_cached": 3, "blocks_free": 1990,
+                               "capacity_tokens": 32000}
     assert doc["live"]["unaccounted_bytes"] == 5 * GiB - doc["declared_bytes"]
     json.dumps(doc)  # serialisable as is
 
@@ -196,9 +198,11 @@ def test_ledger_document_matches_docs(cpu):
 def test_ledger_unaccounted_clamps_and_live_values(cpu):
     ledger = _ledger(cpu)
     assert ledger.to_dict(process_bytes=GiB)["live"]["unaccounted_bytes"] == 0
-    ledger.blocks_used = lambda: 42  # the engine hands over its block pool's counter
+    ledger.blocks_used = lambda: 42  # the engine hands over its block pool's counters
+    ledger.blocks_cached = lambda: 8
     doc = ledger.to_dict()
-    assert doc["kv_cache"]["blocks_used"] == 42
+    assert doc["kv_cache"]["blocks_used"] == 42 and doc["kv_cache"]["blocks_cached"] == 8
+    assert doc["kv_cache"]["blocks_free"] == 2000 - 42 - 8
     assert doc["live"]["process_bytes"] > 0
 
 

@@ -133,7 +133,7 @@ def test_full_waiting_queue_is_503_with_retry_after(gated_worker):
     # (serve_with_step_gate.py): on a fast machine the running request would finish first.
     _, url, model = gated_worker("--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "64")
     long = {"model": model, "prompt": "hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=long) as first:
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=long):
         client.post(url + "/test/steps", params={"n": 1})  # its prefill: it runs
         deadline = time.monotonic() + 60
         while metric_value(client.get(url + "/metrics").text, "vramledger_requests_running") != 1:

@@ -91,6 +91,30 @@ def test_request_metrics_follow_a_request(spec_server):
             for i in (1, 2, 3))
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(spec_server):
+    prompt = "def cached_prefix(values):\n" + "    total = sum(v * v for v in values)\n" * 12
+    before = scrape(spec_server)
+    first = complete(spec_server, prompt=prompt, max_tokens=4)
+    second = complete(spec_server, prompt=prompt, max_tokens=4)
+    after = scrape(spec_server)
+
+    def delta(name):
+        return metric_value(after, name) - (metric_value(before, name) or 0)
+
+    n = first["usage"]["prompt_tokens"]
+    assert n > 32 and second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert delta("vramledger_prefix_cache_queries_total") == 2 * n
+    hits = delta("vramledger_prefix_cache_hits_total")
+    assert hits == (n - 1) // 16 * 16  # every full block but the one of the last prompt token
+    assert delta("vramledger_prompt_tokens_total") == 2 * n - hits
+    kv = httpx.get(spec_server.url + "/v1/memory").json()["kv_cache"]
+    text = scrape(spec_server)
+    assert kv["blocks_used"] == 0 and kv["blocks_cached"] >= hits // 16
+    assert kv["blocks_used"] + kv["blocks_cached"] + kv["blocks_free"] == kv["blocks_total"]
+    for field in ("used", "cached", "free"):
+        assert metric_value(text, f"vramledger_kv_cache_blocks_{field}") == kv[f"blocks_{field}"]
+
+
 def test_ledger_metrics_match_v1_memory(served):
     ledger = httpx.get(served.url + "/v1/memory").json()
     text = scrape(served)

@@ -25,8 +25,8 @@ def parse_size(text: str | int) -> int:
             raise SizeError(f"size must not be negative: {text}")
         return text
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    if unit is None:
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
         raise SizeError(f"invalid size {text!r}: use a number of bytes or a number with a unit, "
                         f"e.g. 1073741824, 512MiB, 2GiB, 1.5G (K/M/G/T and KiB.. are powers of 1024, "
                         f"kB/MB/GB/TB powers of 1000)")

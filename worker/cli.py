@@ -27,9 +27,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="budget as a share of device memory (default 0.9 on CUDA)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
                    help="explicit KV cache size, e.g. 2GiB (overrides --memory-utilization)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N")
+    p.add_argument("--max-model-len", type=int, default=0, metavar="N",
+                   help="longest prompt + output in tokens (default: the model's limit, at most 2048)")
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0, metavar="N",
+                   help="prompt tokens one prefill step computes (default 512 on the CPU, else 2048); longer "
+                        "prompts are prefilled in chunks, between decode steps of the running requests")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt whole (by default a prompt that starts like an earlier one "
+                        "reuses its cached KV blocks)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch threads on the CPU (default: torch's own, OMP_NUM_THREADS or every core)")
@@ -56,7 +62,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, dtype=args.dtype,
         memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
+        block_size=args.block_size,
         cpu_threads=args.cpu_threads, compile=args.compile,
         compile_backend=args.compile_backend)
 

@@ -24,9 +24,10 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 (or fp16) on CUDA
     block_size: int = 16
-    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 2048
+    max_model_len: int = 0  # 0: the model's max_position_embeddings, at most 2048 (resolve_lengths)
     max_num_seqs: int = 16
-    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    max_num_batched_tokens: int = 0  # prompt tokens a prefill step; 0: 512 on the CPU, else 2048
+    prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike (block_manager.py)
     memory_utilization: float | None = None  # None: 0.9 on CUDA; on CPU the KV cache is capped at 2 GiB
     kv_cache_memory: int | None = None  # bytes; overrides memory_utilization
     seed: int = 0
@@ -45,7 +46,8 @@ class EngineConfig:
                f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
-        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _check(self.max_num_batched_tokens >= 0, "max_num_batched_tokens must be >= 1 (or 0: the default)")
+        _check(self.max_model_len == 0 or self.max_model_len >= 2, "max_model_len must be >= 2 (or 0: the model's)")
         if self.memory_utilization is not None:
             _check(0 < self.memory_utilization <= 1 and math.isfinite(self.memory_utilization),
                    "memory_utilization must be in (0, 1]")
@@ -54,19 +56,17 @@ class EngineConfig:
         _check(self.compile_backend in COMPILE_BACKENDS,
                f"compile_backend must be one of {COMPILE_BACKENDS}, not {self.compile_backend!r}")
 
-    def resolve_lengths(self, model_max_positions: int) -> None:
-        """Fill max_model_len and max_num_batched_tokens once the model's limit is known."""
-        if self.max_model_len is None:
+    def resolve_lengths(self, model_max_positions: int, device_kind: str = "cuda") -> None:
+        """Fill max_model_len and max_num_batched_tokens once the model's limit and the device are known."""
+        if not self.max_model_len:
             self.max_model_len = min(model_max_positions, 2048)
         _check(self.max_model_len <= model_max_positions,
                f"max_model_len {self.max_model_len} exceeds the model's "
                f"max_position_embeddings {model_max_positions}")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(2048, self.max_model_len)
-        # Prefill is not chunked: one whole prompt must fit in a batch.
-        _check(self.max_num_batched_tokens >= self.max_model_len,
-               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-               f"max_model_len ({self.max_model_len})")
+        if not self.max_num_batched_tokens:
+            # Longer prompts are prefilled in chunks. On the CPU a prefill's tokens cost the same in chunks
+            # of 512 as of 2048 (bench/prefill.py), and running streams wait a quarter as long.
+            self.max_num_batched_tokens = 512 if device_kind == "cpu" else 2048
 
     @property
     def max_blocks_per_seq(self) -> int:

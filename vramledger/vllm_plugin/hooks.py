@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 
-from vramledger.vllm_plugin.process_memory import ProcessMemory
+from vramledger.vllm_plugin.own_memory import OwnMemory
 from vramledger.vllm_plugin.rank_ledger import document, loaded_models
 from vramledger.vllm_plugin.record import ProfileFacts, StartupRecord
 
@@ -56,7 +56,7 @@ def attach(worker) -> None:
 def _started(worker, record: StartupRecord, _result) -> None:
     if record.memory is None:  # no start snapshot went through request_memory: vLLM's CPU worker
         device = worker.device
-        record.memory = ProcessMemory(device.type, device.index or 0)
+        record.memory = OwnMemory(device.type, device.index or 0)
         record.process_at_start_bytes = record.memory.read()
         if device.type == "cpu":
             node = _cpu_memory_node()
@@ -108,7 +108,7 @@ def _request_memory(original, init_snapshot, *args, **kwargs):
 def _start_snapshot(worker, init_snapshot) -> None:
     record = worker.vramledger_record
     device = init_snapshot.device_
-    record.memory = ProcessMemory(device.type, device.index or 0, _torch_uuid(device))
+    record.memory = OwnMemory(device.type, device.index or 0, _torch_uuid(device))
     record.process_at_start_bytes = record.memory.read()
     record.total_bytes, record.free_at_start_bytes = init_snapshot.total_memory, init_snapshot.free_memory
 
@@ -142,7 +142,7 @@ def _patch_gpu_worker_module() -> None:
         original = getattr(gpu_worker, name)
         if not getattr(original, "_vramledger", False):
             wrapper = functools.wraps(original)(functools.partial(hook, original))
-            wrapper._vramledger = True
+            setattr(wrapper, "_vramledger", True)
             setattr(gpu_worker, name, wrapper)
 
 

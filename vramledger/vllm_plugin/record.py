@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vramledger.vllm_plugin.process_memory import ProcessMemory
+from vramledger.vllm_plugin.own_memory import OwnMemory
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ProfileFacts:
 class StartupRecord:
     """Facts a worker measured at start-up; the ledger reads what vLLM still holds when it is asked."""
 
-    memory: ProcessMemory | None = None  # set once the worker knows its device
+    memory: OwnMemory | None = None  # set once the worker knows its device
     process_at_start_bytes: int | None = None  # when vLLM took its start snapshot
     total_bytes: int | None = None
     free_at_start_bytes: int | None = None

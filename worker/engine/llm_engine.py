@@ -1,6 +1,7 @@
 """The engine: step() = schedule -> propose -> verify -> sample -> account."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -57,7 +58,7 @@ class LLMEngine:
             if draft is not None and draft.config.vocab_size != target.config.vocab_size:
                 raise ModelLoadError(f"draft vocab_size {draft.config.vocab_size} differs from the "
                                      f"target's {target.config.vocab_size}")
-            config.resolve_lengths(target.config.max_position_embeddings)
+            config.resolve_lengths(target.config.max_position_embeddings, self.device.kind)
             self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
             bar.set_postfix_str("building matmul kernels")
             # They stay in oneDNN's cache for the process's life: what it grew by is theirs.
@@ -66,10 +67,12 @@ class LLMEngine:
             self.ledger.record("compiled", 0)
             if config.compile:  # before the profile, so that it measures compiled steps
                 bar.set_postfix_str("compiling (minutes)")
-                self.ledger.record("compiled", measure_held(self.device, lambda: self.runner.compile(config.compile_backend)))
+                self.ledger.record("compiled", measure_held(self.device,
+                                                            lambda: self.runner.compile(config.compile_backend)))
                 bar.update()
             bar.set_postfix_str("profiling")
-            held_by_server = server_state and (lambda: server_state(self.tokenizer, self.device.torch_device))
+            held_by_server = None if server_state is None else functools.partial(
+                server_state, self.tokenizer, self.device.torch_device)
             self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer,
                                           held_by_server)
             bar.update()
@@ -78,13 +81,14 @@ class LLMEngine:
             bar.update()
         log.info(summary_line(self.ledger))
         log.debug("memory ledger:\n%s", format_table(self.ledger))
-        self.blocks = BlockManager(self.num_blocks, config.block_size)
+        self.blocks = BlockManager(self.num_blocks, config.block_size, config.prefix_caching)
         self.max_k = config.num_speculative_tokens
         # Every decode step may propose up to K tokens: the scheduler reserves slots for K.
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_k)
         self.speculation = speculation_policy(config.speculation, self.max_k)
         self.stats = EngineStats(num_speculative_tokens=self.max_k, current_speculative_tokens=self.max_k)
         self.ledger.blocks_used = lambda: self.blocks.num_used
+        self.ledger.blocks_cached = lambda: self.blocks.num_cached
         self.eos_token_ids = eos_ids(self.tokenizer, target.config)
         self.vocab_size = target.config.vocab_size
         self._token_texts = TokenTexts(self.tokenizer)
@@ -142,20 +146,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        if batch.is_prefill:
+            seqs, new_tokens, logprobs = self._prefill(batch.seqs, batch.chunks)
+            return self._postprocess(seqs, new_tokens, None, logprobs)
         # A seeded sampled request draws its random numbers per proposal: it keeps one k (K) so its
         # text depends on the seed only, never on the load.
         seeded = any(s.params.seed is not None and not s.params.greedy for s in batch.seqs)
-        k = None if batch.is_prefill else self.speculation.start_step(len(batch.seqs), pinned=seeded)
-        if batch.is_prefill:
-            (new_tokens, logprobs), accepted = self._prefill(batch.seqs), None
-        elif k == 0:
+        k = self.speculation.start_step(len(batch.seqs), pinned=seeded)
+        if k == 0:
             (new_tokens, logprobs), accepted = self._decode_plain(batch.seqs), None
         else:
             new_tokens, accepted, logprobs = self._decode_speculative(batch.seqs, k)
         outputs = self._postprocess(batch.seqs, new_tokens, accepted, logprobs)
-        if k is not None:  # the step is its cost (proposals, verification, bookkeeping), less any catch-up
-            self.speculation.finish_step(accepted)
-            self.stats.current_speculative_tokens = self.speculation.current
+        # The step is its cost (proposals, verification, bookkeeping), less any catch-up.
+        self.speculation.finish_step(accepted)
+        self.stats.current_speculative_tokens = self.speculation.current
         return outputs
 
     def _rows(self, seqs: list[Sequence]) -> RowParams:
@@ -173,30 +178,49 @@ class LLMEngine:
             return out
         P, text = tokens.shape[1], self._token_texts
         rows = torch.tensor(want, device=logits.device)
-        chosen, ids, values = top_logprobs(logits[rows].flatten(0, 1), tokens[rows].flatten(),
-                                           max(seqs[i].params.logprobs for i in want))
+        asked = {i: seqs[i].params.logprobs or 0 for i in want}
+        chosen, ids, values = top_logprobs(logits[rows].flatten(0, 1), tokens[rows].flatten(), max(asked.values()))
         for r, i in enumerate(want):
-            n = seqs[i].params.logprobs
+            n = asked[i]
             out[i] = [TokenLogprob(t, text(t), chosen[r * P + j],
                                    [(a, text(a), v) for a, v in zip(ids[r * P + j][:n], values[r * P + j][:n])])
                       for j, t in enumerate(tokens[i].tolist())]
         return out
 
-    def _prefill(self, seqs: list[Sequence]) -> tuple[list[list[int]], list]:
-        rows = [s.token_ids[s.num_cached:] for s in seqs]
+    def _prefill(self, seqs: list[Sequence],
+                 chunks: list[int]) -> tuple[list[Sequence], list[list[int]], list]:
+        """Each row's next chunk of prompt; rows whose prompt this completes draw their first token.
+        Returns those rows, their tokens and logprobs."""
         starts = [s.num_cached for s in seqs]
+        rows = [s.token_ids[n:n + c] for s, n, c in zip(seqs, starts, chunks)]
         tables = [s.block_table for s in seqs]
         logits = self.runner.forward("target", rows, starts, tables, 1)[:, 0]
-        if self.speculation.awake:  # a dormant draft reads when it proposes
-            self.runner.forward("draft", rows, starts, tables, 0)
-            for s in seqs:
-                s.num_draft_cached = len(s)
-        for s in seqs:
-            self.stats.prompt_tokens += len(s) - s.num_cached
-            s.num_cached = len(s)
+        # A dormant draft reads when it proposes; so does one behind the target (cached blocks it never
+        # wrote).
+        if self.speculation.awake:
+            level = [i for i, s in enumerate(seqs) if s.num_draft_cached == s.num_cached]
+            if level:
+                self.runner.forward("draft", [rows[i] for i in level], [starts[i] for i in level],
+                                    [tables[i] for i in level], 0)
+            for i in level:
+                seqs[i].num_draft_cached += chunks[i]
+        done = []
+        for i, (s, c) in enumerate(zip(seqs, chunks)):
+            self.stats.prompt_tokens += c
+            s.num_cached += c
+            if s.num_cached == len(s):
+                s.prefilled = True
+                done.append(i)
+            else:
+                self.blocks.commit(s)  # its full blocks are reusable before its prefill ends
+        if not done:
+            return [], [], []
+        if len(done) < len(seqs):
+            logits = logits[torch.tensor(done, dtype=torch.long, device=logits.device)]
+            seqs = [seqs[i] for i in done]
         rp = self._rows(seqs)
         tokens = draw(logits, rp)
-        return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
+        return seqs, [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
     def _decode_plain(self, seqs: list[Sequence]) -> tuple[list[list[int]], list]:
         rows = [[s.token_ids[-1]] for s in seqs]
@@ -231,7 +255,8 @@ class LLMEngine:
         rows = [s.token_ids[s.num_draft_cached:] for s in seqs]
         starts = [s.num_draft_cached for s in seqs]
         feed = None
-        draft_probs, draft_tokens = [], []
+        draft_probs: list[torch.Tensor] = []
+        draft_tokens: list[torch.Tensor] = []
         for i in range(k):
             logits = self.runner.forward("draft", rows, starts, tables, 1, input_ids=feed)[:, 0]
             q, d = propose(logits, rp, torch.stack(draft_tokens, 1) if draft_tokens else None)  # [B, V], [B]
@@ -269,16 +294,17 @@ class LLMEngine:
                 out_ids = out_ids[:-1]  # a stop token's text is not part of the completion
             if text.update(out_ids, check_stop=len(out_ids) >= s.params.min_tokens) and reason is None:
                 reason = "stop"
+            s.num_cached = min(s.num_cached, len(s) - 1)
+            s.num_draft_cached = min(s.num_draft_cached, len(s) - 1)
+            self.blocks.commit(s)  # before a finished request's blocks are freed: they stay cached
             if reason is not None:
                 self.scheduler.finish(s, reason)
             else:
-                s.num_cached = min(s.num_cached, len(s) - 1)
-                s.num_draft_cached = min(s.num_draft_cached, len(s) - 1)
                 self.blocks.trim(s, len(s))
             outputs.append(RequestOutput(
                 s.request_id, appended, text.delta(final=reason is not None), reason is not None, reason,
                 s.num_prompt_tokens, len(s.output_token_ids), s.num_draft_tokens, s.num_accepted_tokens,
-                lp[:len(appended)] if lp is not None else None))
+                lp[:len(appended)] if lp is not None else None, s.first_scheduled_time))
             if reason is not None:
                 self._forget(s)
         return outputs
@@ -307,14 +333,15 @@ class LLMEngine:
         """Run prompts to completion: (token ids, text, finish reason) per prompt, in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        results = {i: ([], [], None) for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        reasons: dict[str, str | None] = dict.fromkeys(ids)
         while self.has_unfinished_requests():
             for out in self.step():
-                tokens, texts, _ = results[out.request_id]
-                tokens.extend(out.new_token_ids)
-                texts.append(out.text)
-                results[out.request_id] = (tokens, texts, out.finish_reason)
-        return [(results[i][0], "".join(results[i][1]), results[i][2]) for i in ids]
+                tokens[out.request_id].extend(out.new_token_ids)
+                texts[out.request_id].append(out.text)
+                reasons[out.request_id] = out.finish_reason
+        return [(tokens[i], "".join(texts[i]), reasons[i]) for i in ids]
 
 
 def eos_ids(tokenizer, model_config) -> set[int]:

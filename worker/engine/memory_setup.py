@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
-from worker.engine.profile_run import profile_blocks, request_states, run_varied, run_worst_case
+from worker.engine.profile_run import block_index, profile_blocks, request_states, run_varied, run_worst_case
 from worker.memory.device import Device
 from worker.memory.ledger import Ledger
 from worker.memory.plan import (
@@ -50,13 +50,15 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     since_start = now.process - ledger.bytes_of("runtime") - explained
     ledger.record("non_torch", max(window.non_torch_bytes, since_start))
     ledger.record("allocator", window.allocator_bytes)
-    # Host state the engine keeps per request, for max_num_seqs requests at their longest.
-    states = measure_held(device, lambda: request_states(c, tokenizer, device.torch_device))
+    per_block = runner.bytes_per_block()
+    usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
+    # Host state the engine keeps per request, for max_num_seqs requests at their longest, and its
+    # block pool's, for as many blocks as the KV cache can use, each holding a cached prefix.
+    states = measure_held(device, lambda: (request_states(c, tokenizer, device.torch_device),
+                                           block_index(c, usable // per_block)))
     ledger.record("sequence_state", states)
     ledger.record("server", measure_held(device, server_state) if server_state else 0)
 
-    per_block = runner.bytes_per_block()
-    usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
     budget, kv = budget_bytes(device, utilization, c.kv_cache_memory, ledger.non_kv_bytes, usable)
     num_blocks = plan_kv_blocks(kv, per_block, c.block_size, c.max_model_len, k)
     # Whole blocks: less than a block left beyond the last one is not held, so declared == budget.

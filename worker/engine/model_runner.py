@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.kernels import paged_attention
 from worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
 from worker.models.compiled import compile_model, shape_classes
 from worker.models.llama import CausalLM
@@ -29,6 +30,13 @@ class ModelRunner:
             elem = next(model.parameters()).element_size()
             total += elem * torch.Size(model.kv_cache_shape(self.block_size)).numel()
         return total
+
+    def narrowest_gathered_chunk(self, context: int) -> int:
+        """The fewest new tokens a row over `context` positions has when some model's attention
+        gathers its context (the kernel that reads it in place would need more scratch)."""
+        heads = max(m.model.layers[0].self_attn.num_heads for m in self.models.values())
+        return next((w for w in range(1, context + 1) if not paged_attention.fits(w, heads, context)),
+                    context + 1)
 
     def warm_kernels(self) -> None:
         """Build every matmul kernel a forward can ask for (packed_linear.py; none off the CPU)."""

@@ -28,6 +28,7 @@ class RequestOutput:
     num_draft_tokens: int
     num_accepted_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    first_scheduled_time: float | None = None  # time.monotonic() of its first admission into a batch
 
 
 @dataclass

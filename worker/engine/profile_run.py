@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from worker.config import EngineConfig
+from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalText
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import RowParams, draw, propose
@@ -21,10 +22,30 @@ def profile_blocks(config: EngineConfig) -> int:
     return config.max_blocks_per_seq
 
 
+def prefill_shapes(runner: ModelRunner, config: EngineConfig, longest: int) -> list[tuple[int, int, int]]:
+    """(rows, tokens a row, first position) of the prefill steps that hold the most memory: each is
+    max_num_batched_tokens wide (padded rows cost the same). Rows from position 0 (a prompt's
+    first chunk, over its own tokens); and chunks that end at `longest` after a cached prefix or
+    earlier chunks: as many rows as may run, and, when chunks that wide are too wide to read
+    their context in place, the most rows of those (each layer gathers their context)."""
+    budget, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    width = min(longest, budget)
+    shapes = [(max(1, min(seqs, budget // width)), width, 0)]
+    if longest > 1:
+        rows = min(seqs, budget)
+        width = min(longest - 1, budget // rows)
+        shapes.append((rows, width, longest - width))
+        width = runner.narrowest_gathered_chunk(longest)
+        if width < longest and width <= budget:
+            shapes.append((min(seqs, budget // width), width, longest - width))
+    return shapes
+
+
 @torch.inference_mode()
 def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | None = None,
                    batch: int | None = None) -> None:
-    """A full prefill batch, then a full speculative decode step at the longest context.
+    """The prefill steps that hold the most memory, then a full speculative decode step at the
+    longest context.
 
     Rows share one block table: keys and values land on the same scratch slots, which
     costs nothing in activations and keeps the scratch cache small. `longest` and `batch`
@@ -34,11 +55,10 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
     table = list(range(profile_blocks(config)))
     longest = longest or config.max_model_len
 
-    # Prefill: rows of max_model_len up to the batched-token limit (padded rows cost the same).
-    rows = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // longest))
-    prompt = [[1] * longest] * rows
-    for name in runner.models:
-        runner.forward(name, prompt, [0] * rows, [table] * rows, 1 if name == "target" else 0)
+    for rows, width, start in prefill_shapes(runner, config, longest):
+        for name in runner.models:
+            runner.forward(name, [[1] * width] * rows, [start] * rows, [table] * rows,
+                           1 if name == "target" else 0)
 
     # Decode: every sequence at the longest context, k draft steps then k+1 verified positions.
     B = batch or config.max_num_seqs
@@ -82,7 +102,8 @@ def request_states(config: EngineConfig, tokenizer, device: torch.device, count:
     """What the engine keeps per request, for `count` (default max_num_seqs) requests at max_model_len.
 
     Token ids are fresh Python ints, as the tokenizer and the sampler hand them out; each
-    request also holds its decoded text, its block table and its own generator.
+    request also holds its decoded text, its block table, its blocks' prefix-cache hashes and its
+    own generator.
     """
     vocab = max(2, getattr(tokenizer, "vocab_size", 0) or 2)
     half = config.max_model_len // 2
@@ -92,8 +113,23 @@ def request_states(config: EngineConfig, tokenizer, device: torch.device, count:
         seq = Sequence(f"profile-{i}", ids[:half].tolist(), WORST_PARAMS)
         seq.output_token_ids = ids[half:].tolist()
         seq.block_table = list(range(config.max_blocks_per_seq))
+        if config.prefix_caching:
+            seq.block_hashes = [hash((i, b)) for b in range(config.max_model_len // config.block_size)]
         text = IncrementalText(tokenizer, []) if tokenizer is not None else None
         if text is not None:
             text.update(seq.output_token_ids)
         states.append((seq, text, torch.Generator(device).manual_seed(i)))
     return states
+
+
+def block_index(config: EngineConfig, num_blocks: int) -> BlockManager:
+    """A pool of num_blocks blocks, each holding a cached prefix: the prefix cache's host state at
+    its largest (every block registered)."""
+    pool = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+    seq = Sequence("profile-index", [], WORST_PARAMS)
+    seq.block_hashes = [hash(("profile-index", b)) for b in range(num_blocks)]  # as if its tokens filled them
+    pool.allocate(seq, num_blocks * config.block_size)
+    seq.num_cached = num_blocks * config.block_size
+    pool.commit(seq)
+    pool.free(seq)
+    return pool

@@ -28,6 +28,13 @@ class Sequence:
     # token is never cached yet: it is the next forward's input.
     num_cached: int = 0
     num_draft_cached: int = 0
+    # Whether its prefill is done (the prompt; after a preemption, every token so far): it decodes.
+    prefilled: bool = False
+    # The prefix cache (block_manager.py): hashes of its full blocks, how many of its blocks are
+    # registered and how many are marked as holding the draft's keys and values.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_drafted_blocks: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
@@ -48,8 +55,9 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         """After preemption: nothing is cached; prompt and output are recomputed later."""
-        self.num_cached = 0
-        self.num_draft_cached = 0
+        self.num_cached = self.num_draft_cached = 0
+        self.num_registered_blocks = self.num_drafted_blocks = 0
+        self.prefilled = False
         self.block_table = []
         self.status = Status.WAITING
         self.num_preemptions += 1

@@ -84,8 +84,8 @@ class StepCosts:
             return times[k]
         below = max((j for j in times if j < k), default=None)
         above = min((j for j in times if j > k), default=None)
-        if below is None or above is None:
-            return times[above if below is None else below]
+        if below is None or above is None:  # no measure on one side: the nearest there is
+            return times[min(times, key=lambda j: abs(j - k))]
         return times[below] + (times[above] - times[below]) * (k - below) / (above - below)
 
 
@@ -143,6 +143,8 @@ class Speculation:
 
     def finish_step(self, num_accepted: list[int] | None) -> None:
         """Accepted proposals per row (None for a plain step) of the step start_step began."""
+        if self._step is None:
+            raise RuntimeError("finish_step without start_step")
         batch_size, k, started = self._step
         self.observe(batch_size, k, self.clock() - started - self._uncounted, num_accepted)
 
@@ -184,12 +186,12 @@ class AdaptiveSpeculation(Speculation):
     def _best(self, b: int) -> int:
         alpha = self.acceptance.rate or 0.0
         rate = {k: expected_tokens(alpha, k) / self.costs.estimate(b, k) for k in range(self.max_k + 1)}
-        best = max(rate, key=rate.get)
+        best = max(rate, key=lambda k: rate[k])
         return best if rate[best] >= (STAY_GAIN if self.awake else MIN_GAIN) * rate[0] else 0
 
     def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
         self.costs.observe(bucket(batch_size), k, seconds / batch_size)
-        if k:
+        if k and num_accepted is not None:
             self.acceptance.observe(k, num_accepted)
 
 

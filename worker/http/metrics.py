@@ -99,11 +99,17 @@ class EngineCollector(Collector):
                     "max(0, process memory - declared memory), measured now.", live["unaccounted_bytes"])
 
     def _kv_cache(self, engine: LLMEngine) -> Iterator[Metric]:
-        total, used = engine.blocks.num_blocks, engine.blocks.num_used
+        blocks = engine.blocks
+        total, used, cached = blocks.num_blocks, blocks.num_used, blocks.num_cached
         # Untyped, not a gauge: the contract's name ends in _total, which promtool reserves for counters.
         yield UnknownMetricFamily("vramledger_kv_cache_blocks_total", "KV cache blocks allocated at start "
                                   "(constant).", value=total)
         yield gauge("vramledger_kv_cache_blocks_used", "KV cache blocks held by requests.", used)
+        yield gauge("vramledger_kv_cache_blocks_cached", "KV cache blocks no request holds that keep a full "
+                    "block of an earlier prompt for requests that start alike (evicted least recently used "
+                    "first when fresh blocks run out).", cached)
+        yield gauge("vramledger_kv_cache_blocks_free",
+                    "KV cache blocks holding nothing (total - used - cached).", total - used - cached)
         yield gauge("vramledger_kv_cache_usage_ratio", "Share of the KV cache blocks in use.",
                     used / total if total else 0.0)
 
@@ -117,9 +123,15 @@ class EngineCollector(Collector):
         stats = engine.stats
         yield counter("vramledger_preemptions", "Requests preempted to free KV blocks (recomputed later).",
                       engine.scheduler.num_preemptions)
-        yield counter("vramledger_prompt_tokens", "Prompt tokens prefilled (recomputation included).",
+        yield counter("vramledger_prompt_tokens", "Prompt tokens prefilled (recomputation included; tokens "
+                      "found in the prefix cache left out).",
                       stats.prompt_tokens)
         yield counter("vramledger_generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("vramledger_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                      "(each admission, readmissions after preemption included).",
+                      engine.blocks.queried_tokens)
+        yield counter("vramledger_prefix_cache_hits", "Of the prompt tokens looked up, those found in the "
+                      "prefix cache (not computed again).", engine.blocks.hit_tokens)
         yield counter("vramledger_spec_decode_drafts", "Draft proposals verified (one per request per "
                       "speculative step).", stats.drafts)
         yield counter("vramledger_spec_decode_draft_tokens", "Draft tokens proposed.", stats.draft_tokens)
@@ -204,8 +216,9 @@ class RequestMetrics:
                 continue
             n = len(out.new_token_ids)
             if n and timing.last_token is None:
-                # Prefill is not chunked: the step that yields the first token is the first scheduling.
-                self.queue.observe(max(0.0, started - timing.arrival))
+                # A long prompt's prefill takes several steps: its first scheduling may be steps earlier.
+                scheduled = started if out.first_scheduled_time is None else out.first_scheduled_time
+                self.queue.observe(max(0.0, scheduled - timing.arrival))
                 self.ttft.observe(ended - timing.arrival)
             elif n:
                 gap = (ended - timing.last_token) / n

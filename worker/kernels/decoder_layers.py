@@ -70,11 +70,11 @@ def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, ids: to
     and the logits [B, n, vocab] at logits_index [B, n] (None where ends.head is None)."""
     B, Q = ids.shape
     n, M, D = logits_index.shape[1], B * Q, dims.head_dim
-    floats = {"dtype": torch.float32, "device": keys.device}
-    x = torch.empty(B, Q, dims.hidden, **floats)
-    logits = torch.empty(B, n, ends.vocab, **floats) if ends.head is not None else None
+    f32, device = torch.float32, keys.device
+    x = torch.empty(B, Q, dims.hidden, dtype=f32, device=device)
+    logits = torch.empty(B, n, ends.vocab, dtype=f32, device=device) if ends.head is not None else None
     work = torch.empty(M * (2 * dims.hidden + (2 * dims.heads + 2 * dims.kv_heads + 1) * D + 3 * dims.inner),
-                       **floats)
+                       dtype=f32, device=device)
     ids, slots, positions, lengths, write_slots, logits_index = (t.to(torch.int64).contiguous() for t in (
         ids, slots, positions, lengths, write_slots, logits_index))
     rows = None if write_rows is None else write_rows.to(torch.int64).contiguous()

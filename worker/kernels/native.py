@@ -6,6 +6,10 @@ and loaded with ctypes after torch, so the kernels' OpenMP threads are torch's o
 built for AVX-512 where the CPU has it, and for AVX2 and FMA where it has those only: vec16.h then
 makes each 16-lane vector a pair of 256-bit ones. Where neither or the compiler is missing, `load`
 returns None (saying why once) and callers keep torch's ops.
+
+An image built once for many machines ships them prebuilt, for both instruction sets:
+`python -m worker.kernels.native DIR` builds every kernel into DIR, and VRAMLEDGER_KERNELS_DIR=DIR
+makes `load` take a library from there before it compiles anything.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ import hashlib
 import logging
 import os
 import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +32,7 @@ HERE = Path(__file__).parent
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 LIBRARIES = ["-lm"]  # after the source: the linker keeps only libraries that something before them needs
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}  # torch's name for the CPU's level
+PREBUILT_ENV = "VRAMLEDGER_KERNELS_DIR"
 
 
 def isa() -> str | None:
@@ -40,16 +47,21 @@ def cache_dir() -> Path:
     return Path(root) / "vramledger" / "kernels"
 
 
+def library_name(source: Path, target_isa: str) -> str:
+    """The library's file name: the source's stem and a hash of the source, the headers beside it
+    (a change to one rebuilds every kernel), the compiler and the flags."""
+    text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
+    command = [os.environ.get("CC", "cc"), *FLAGS, *ISA_FLAGS[target_isa], *LIBRARIES]
+    return f"{source.stem}-{hashlib.sha256(text + ' '.join(command).encode()).hexdigest()[:16]}.so"
+
+
 def build(source: Path, into: Path | None = None, target_isa: str = "AVX512") -> Path:
     """The shared library for this source and instruction set, compiled unless the cache holds it."""
     compiler = os.environ.get("CC", "cc")
     flags = FLAGS + ISA_FLAGS[target_isa]
-    # The headers beside the source count too: a change to one rebuilds every kernel.
-    text = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
-    key = hashlib.sha256(text + " ".join([compiler, *flags, *LIBRARIES]).encode()).hexdigest()[:16]
     into = into or cache_dir()
     into.mkdir(parents=True, exist_ok=True)
-    library = into / f"{source.stem}-{key}.so"
+    library = into / library_name(source, target_isa)
     if not library.exists():
         # Built under a private name and renamed: processes starting together never load half a file.
         fd, partial = tempfile.mkstemp(suffix=".so", dir=into)
@@ -70,15 +82,17 @@ def load(stem: str) -> ctypes.CDLL | None:
     if level is None:
         log.info("neither AVX-512 nor AVX2 on this CPU: %s stays with torch's ops", stem)
         return None
+    source = HERE / f"{stem}.c"
+    prebuilt = Path(os.environ.get(PREBUILT_ENV, "")) / library_name(source, level)
     try:
-        return ctypes.CDLL(str(build(HERE / f"{stem}.c", target_isa=level)))
+        return ctypes.CDLL(str(prebuilt if prebuilt.is_file() else build(source, target_isa=level)))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the %s kernel could not be built (%s): torch's ops run instead", stem,
                     getattr(e, "stderr", None) or e)
         return None
 
 
-def function(stem: str, name: str, *argtypes) -> ctypes._CFuncPtr | None:
+def function(stem: str, name: str, *argtypes) -> Callable[..., None] | None:
     """A kernel's C function with its argument types set, or None where the library cannot run."""
     library = load(stem)
     if library is None:
@@ -86,3 +100,13 @@ def function(stem: str, name: str, *argtypes) -> ctypes._CFuncPtr | None:
     found = getattr(library, name)
     found.argtypes, found.restype = list(argtypes), None
     return found
+
+
+def build_all(into: Path) -> list[Path]:
+    """Every kernel for every instruction set, into one directory (an image's prebuilt kernels)."""
+    return [build(source, into, level) for source in sorted(HERE.glob("*.c")) for level in ISA_FLAGS]
+
+
+if __name__ == "__main__":
+    for path in build_all(Path(sys.argv[1])):
+        print(path)

@@ -7,12 +7,13 @@ import logging
 import os
 import platform
 import re
-from dataclasses import dataclass
 
 import psutil
 import torch
 
+from vramledger import nvml_devices
 from vramledger.identity import host_pid, in_host_pid_namespace, proc_status_field
+from vramledger.processes import ProcessMemory
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +26,6 @@ CPU_PROCESS_MIN_BYTES = 64 * MiB
 # so a profiled step costs the same memory in every later run.
 CPU_MMAP_THRESHOLD = 256 << 10
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
-
-
-@dataclass(frozen=True)
-class ProcessMemory:
-    """Memory one process holds on the device; bytes is None when the device cannot say."""
-
-    pid: int
-    name: str
-    bytes: int | None
 
 
 class Device:
@@ -116,7 +108,7 @@ class CpuDevice(Device):
             if info["pid"] == self._process.pid or info["memory_info"] is None:
                 continue
             if info["memory_info"].rss >= CPU_PROCESS_MIN_BYTES:
-                found.append(ProcessMemory(info["pid"], info["name"] or "?", info["memory_info"].rss))
+                found.append(ProcessMemory(info["pid"], info["name"] or "?", info["memory_info"].rss, "rss"))
         return sorted(found, key=lambda p: -(p.bytes or 0))
 
     # Tensors live in ordinary process memory: torch has no separate counters on the CPU.
@@ -190,11 +182,11 @@ class CudaDevice(Device):
         # bf16 is native from Ampere (sm_80) on; earlier GPUs only emulate it, slowly.
         self.dtype = torch.bfloat16 if props.major >= 8 else torch.float16
         torch.cuda.mem_get_info(index)  # creates the CUDA context now, so "runtime" includes it
-        self._own_pids = {os.getpid(), host_pid()} - {None}
+        self._own_pids = {pid for pid in (os.getpid(), host_pid()) if pid is not None}
         self._warned: set[str] = set()
         self._nvml = _init_nvml(nvml)
         self._handle = self._find_handle(props) if self._nvml else None
-        self.uuid = self._nvml_uuid() or _torch_uuids(props)[0]
+        self.uuid = self._nvml_uuid() or next(iter(nvml_devices.uuid_spellings(_torch_uuid(props))), None)
 
     def total_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.index)[1]
@@ -204,23 +196,24 @@ class CudaDevice(Device):
 
     def process_bytes(self) -> int:
         procs = self._nvml_processes()
-        mine = [p for p in procs or [] if p.pid in self._own_pids]
-        if mine and all(p.usedGpuMemory is not None for p in mine):
-            return sum(p.usedGpuMemory for p in mine)
+        mine = [used for pid, used in (procs or {}).items() if pid in self._own_pids]
+        known = [used for used in mine if used is not None]
+        if mine and len(known) == len(mine):
+            return sum(known)
         if procs is None:
             reason = "NVML cannot list this GPU's processes"
         elif not mine:
             reason = f"NVML does not list our pid {sorted(self._own_pids)} (another pid namespace?)"
         else:
             reason = "NVML does not report per-process memory on this GPU"
-        return self._estimated_process_bytes(procs or [], reason)
+        return self._estimated_process_bytes(procs or {}, reason)
 
     def process_peak_bytes(self) -> int:
         return self.process_bytes()
 
     def other_processes(self) -> list[ProcessMemory]:
-        others = [p for p in self._nvml_processes() or [] if p.pid not in self._own_pids]
-        found = [ProcessMemory(p.pid, self._process_name(p.pid), p.usedGpuMemory) for p in others]
+        others = {pid: used for pid, used in (self._nvml_processes() or {}).items() if pid not in self._own_pids}
+        found = [ProcessMemory(pid, self._process_name(pid), used, "nvml") for pid, used in others.items()]
         return sorted(found, key=lambda p: -(p.bytes or 0))
 
     def torch_allocated_bytes(self) -> int:
@@ -246,21 +239,12 @@ class CudaDevice(Device):
     # --- NVML ---
     def _find_handle(self, props):
         """The NVML handle of torch's device `index`: by UUID, else PCI bus id, else CUDA_VISIBLE_DEVICES."""
-        nvml = self._nvml
-        for uuid in filter(None, _torch_uuids(props)):
-            try:
-                return nvml.nvmlDeviceGetHandleByUUID(uuid)
-            except Exception:
-                pass
+        bus_id = None
         if getattr(props, "pci_bus_id", None) is not None:
             bus_id = "%08X:%02X:%02X.0" % (getattr(props, "pci_domain_id", 0) or 0, props.pci_bus_id,
                                           getattr(props, "pci_device_id", 0) or 0)
-            try:
-                return nvml.nvmlDeviceGetHandleByPciBusId(bus_id)
-            except Exception:
-                pass
         try:
-            return _handle_from_visible_devices(nvml, self.index)
+            return nvml_devices.find_handle(self._nvml, self.index, _torch_uuid(props), bus_id)
         except Exception as e:
             self._warn_once("handle", "cannot map cuda:%d to an NVML device (%s); "
                             "process memory will be estimated", self.index, e)
@@ -268,28 +252,23 @@ class CudaDevice(Device):
 
     def _nvml_uuid(self) -> str | None:
         try:
-            return _text(self._nvml.nvmlDeviceGetUUID(self._handle)) if self._handle else None
+            return nvml_devices.text(self._nvml.nvmlDeviceGetUUID(self._handle)) if self._handle else None
         except Exception:
             return None
 
-    def _nvml_processes(self) -> list | None:
-        """Compute and graphics processes on our GPU, one per pid; None when NVML cannot say."""
+    def _nvml_processes(self) -> dict[int, int | None] | None:
+        """Memory by pid of every process on our GPU; None when NVML cannot say."""
         if self._handle is None:
             return None
         try:
-            procs = list(self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle))
+            return nvml_devices.memory_by_pid(self._nvml, self._handle)
         except Exception as e:
             self._warn_once("procs", "NVML cannot list processes on cuda:%d: %s", self.index, e)
             return None
-        try:  # a display server holds memory too; a process may be in both lists
-            procs += self._nvml.nvmlDeviceGetGraphicsRunningProcesses(self._handle)
-        except Exception:
-            pass
-        return list({p.pid: p for p in reversed(procs)}.values())
 
     def _process_name(self, pid: int) -> str:
         try:
-            return os.path.basename(_text(self._nvml.nvmlSystemGetProcessName(pid))) or "?"
+            return os.path.basename(nvml_devices.text(self._nvml.nvmlSystemGetProcessName(pid))) or "?"
         except Exception:
             pass
         try:  # NVML reports host pids: only trust psutil for pids of our own namespace
@@ -297,14 +276,14 @@ class CudaDevice(Device):
         except Exception:
             return "?"
 
-    def _estimated_process_bytes(self, procs: list, reason: str) -> int:
+    def _estimated_process_bytes(self, procs: dict[int, int | None], reason: str) -> int:
         # Device used memory minus what NVML attributes to others: includes memory of
         # processes NVML cannot attribute (the neighbour problem this worker exists to avoid).
         self._warn_once("estimate", "%s; process memory on cuda:%d is estimated from cudaMemGetInfo "
                         "(device used minus attributed processes) and may include other processes",
                         reason, self.index)
         free, total = torch.cuda.mem_get_info(self.index)
-        others = sum(p.usedGpuMemory or 0 for p in procs if p.pid not in self._own_pids)
+        others = sum(used or 0 for pid, used in procs.items() if pid not in self._own_pids)
         return max(self.torch_reserved_bytes(), total - free - others)
 
     def _warn_once(self, key: str, message: str, *args) -> None:
@@ -325,33 +304,5 @@ def _init_nvml(nvml):
         return None
 
 
-def _torch_uuids(props) -> list[str | None]:
-    """NVML spellings of torch's device UUID (torch drops the GPU-/MIG- prefix)."""
-    uuid = str(getattr(props, "uuid", "") or "")
-    if not uuid:
-        return [None]
-    return [uuid] if uuid.startswith(("GPU-", "MIG-")) else ["GPU-" + uuid, "MIG-" + uuid]
-
-
-def _handle_from_visible_devices(nvml, index: int):
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return nvml.nvmlDeviceGetHandleByIndex(index)
-    entries = [e.strip() for e in visible.split(",")]
-    if index >= len(entries):
-        raise LookupError(f"CUDA_VISIBLE_DEVICES={visible!r} has no entry {index}")
-    entry = entries[index]
-    if entry.startswith(("GPU-", "MIG-")):  # CUDA accepts unique UUID prefixes
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-        matches = [h for h in handles if _text(nvml.nvmlDeviceGetUUID(h)).startswith(entry)]
-        if len(matches) != 1:
-            raise LookupError(f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} NVML devices")
-        return matches[0]
-    if os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
-        # CUDA's default order (fastest first) can differ from NVML's PCI order.
-        log.warning("mapping cuda:%d to NVML index %s assumes CUDA_DEVICE_ORDER=PCI_BUS_ID", index, entry)
-    return nvml.nvmlDeviceGetHandleByIndex(int(entry))
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _torch_uuid(props) -> str | None:
+    return str(getattr(props, "uuid", "") or "") or None

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from vramledger.identity import ProcessIdentity
 from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION
+from vramledger.processes import ProcessMemory
 from vramledger.units import GiB, MiB, format_bytes
-from worker.memory.device import Device, ProcessMemory
+from worker.memory.device import Device
 from worker.memory.plan import blocks_per_sequence
 from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 
@@ -41,6 +42,7 @@ class Ledger:
     bytes_per_block: int = 0
     blocks_total: int = 0
     blocks_used: int | Callable[[], int] = 0  # the engine may set a callable on its block pool
+    blocks_cached: int | Callable[[], int] = 0  # held by no request, kept for the prefixes they hold
     max_model_len: int = 0
     num_speculative_tokens: int = 0
     worker: ProcessIdentity = field(default_factory=ProcessIdentity.current)
@@ -99,10 +101,15 @@ class Ledger:
     def current_blocks_used(self) -> int:
         return int(self.blocks_used() if callable(self.blocks_used) else self.blocks_used)
 
-    def to_dict(self, process_bytes: int | None = None, blocks_used: int | None = None) -> dict:
+    def current_blocks_cached(self) -> int:
+        return int(self.blocks_cached() if callable(self.blocks_cached) else self.blocks_cached)
+
+    def to_dict(self, process_bytes: int | None = None, blocks_used: int | None = None,
+                blocks_cached: int | None = None) -> dict:
         """The ledger document of docs/ledger.md; live values are read now unless given."""
         process = self.device.process_bytes() if process_bytes is None else int(process_bytes)
         used = self.current_blocks_used() if blocks_used is None else int(blocks_used)
+        cached = self.current_blocks_cached() if blocks_cached is None else int(blocks_cached)
         declared = self.declared_bytes
         d = self.device
         return {
@@ -120,7 +127,8 @@ class Ledger:
                                  "processes": [{"pid": p.pid, "name": p.name, "bytes": p.bytes}
                                                for p in self.foreign_at_start_processes]},
             "kv_cache": {"block_size": self.block_size, "bytes_per_block": self.bytes_per_block,
-                         "blocks_total": self.blocks_total, "blocks_used": used,
+                         "blocks_total": self.blocks_total, "blocks_used": used, "blocks_cached": cached,
+                         "blocks_free": self.blocks_total - used - cached,
                          "capacity_tokens": self.capacity_tokens},
             "live": {"process_bytes": process, "declared_bytes": declared,
                      "unaccounted_bytes": max(0, process - declared), "measured_at": time.time()},

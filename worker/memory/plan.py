@@ -4,8 +4,9 @@ from __future__ import annotations
 import logging
 import math
 
+from vramledger.processes import ProcessMemory
 from vramledger.units import GiB, format_bytes
-from worker.memory.device import Device, ProcessMemory
+from worker.memory.device import Device
 
 log = logging.getLogger(__name__)
 

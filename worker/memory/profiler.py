@@ -145,10 +145,10 @@ def profile_window(device: Device) -> Iterator[WindowResult]:
     try:
         yield result
     finally:
-        peak = sampler.stop() if sampler else None
+        sampled = sampler.stop() if sampler else None
         first = result._marked_peak
         if device.kind == "cpu":
-            peak = peak if peak is not None else device.process_peak_bytes()
+            peak = sampled if sampled is not None else device.process_peak_bytes()
             device.empty_cache()  # freed tensors still in malloc's arenas did not "stay"
         result.end = end = MemorySnapshot.take(device)
         start = result.start

@@ -9,6 +9,8 @@ keep the plain write (the op costs eager about 0.5 ms a forward on the CPU: benc
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from worker.models.llama import CausalLM, write_kv
@@ -16,7 +18,7 @@ from worker.models.packed_linear import is_packed
 
 # Options for every compiled model: weights as constants; code built in this process, so no pool
 # of compile workers outlives startup as memory the ledger does not name.
-INDUCTOR_OPTIONS = {"freezing": True, "compile_threads": 1}
+INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "compile_threads": 1}
 
 
 @torch.library.custom_op("vramledger::write_kv", mutates_args=("kv_cache",))

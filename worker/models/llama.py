@@ -79,6 +79,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    qkv_weight: torch.Tensor  # q, k and v fused at load (fuse_linears)
+    qkv_bias: torch.Tensor | None
+
     def __init__(self, config, arch: Arch, layer: int):
         super().__init__()
         self.num_heads = config.num_attention_heads

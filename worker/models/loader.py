@@ -82,7 +82,7 @@ def _read_into(file, dest: torch.Tensor, dtype: torch.dtype, offset: int, nbytes
     if buffer.numel() * buffer.element_size() != nbytes:
         raise ModelLoadError(f"{file.name}: tensor at byte {offset} holds {nbytes} bytes, "
                              f"expected {tuple(dest.shape)} x {buffer.element_size()}")
-    view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+    view = buffer.reshape(-1).view(torch.uint8).numpy().data if nbytes else memoryview(b"")
     file.seek(offset)
     done = 0
     while done < nbytes:

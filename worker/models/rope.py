@@ -15,6 +15,7 @@ def rope_parameters(config) -> dict:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    inv_freq: torch.Tensor  # a buffer
     """cos/sin tables computed from positions on the fly (no length limit baked in)."""
 
     def __init__(self, config, head_dim: int):

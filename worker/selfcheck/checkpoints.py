@@ -95,7 +95,8 @@ def build_random_checkpoint(directory: Path, tokenizer_from: str | Path, shape: 
     log.info("building a random Qwen2-shaped checkpoint in %s (%s)", directory, shape)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+        # transformers' decorator on .to hides nn.Module's signature from type checkers.
+        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

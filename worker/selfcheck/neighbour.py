@@ -39,8 +39,10 @@ def start_neighbour(procs: Processes, name: str, device: str, nbytes: int, timeo
     """Start a neighbour and return once it holds its memory."""
     proc = procs.start(name, [sys.executable, "-m", "worker.selfcheck.neighbour", "--device", device,
                               "--bytes", str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    ready, _, _ = select.select([proc.popen.stdout], [], [], timeout)
-    line = proc.popen.stdout.readline().decode().strip() if ready else ""
+    said = proc.popen.stdout
+    assert said is not None  # started with stdout=PIPE
+    ready, _, _ = select.select([said], [], [], timeout)
+    line = said.readline().decode().strip() if ready else ""
     if line != "ready":
         procs.stop(proc)
         raise RuntimeError(f"the neighbour process did not start (said {line!r}, exit code "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import shutil
 import sys
@@ -64,7 +65,7 @@ def run_scenarios(ctx: Context, keep_going: bool = False) -> list[ScenarioResult
 
     for result, scenario in ((r1, scenario_ledger), (r2, scenario_draft)):
         if not stopped(result):
-            attempt(ctx, result, lambda s=scenario, r=result: s.run(ctx, r))
+            attempt(ctx, result, functools.partial(scenario.run, ctx, result))
     if stopped(r3):
         stopped(r4)
         return results

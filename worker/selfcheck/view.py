@@ -4,7 +4,8 @@ from __future__ import annotations
 import threading
 import time
 
-from worker.memory.device import Device, ProcessMemory
+from vramledger.processes import ProcessMemory
+from worker.memory.device import Device
 
 
 class DeviceView:

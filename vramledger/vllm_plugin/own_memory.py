@@ -9,12 +9,13 @@ import os
 
 import psutil
 
+from vramledger import nvml_devices
 from vramledger.identity import host_pid
 
 log = logging.getLogger("vllm.plugins.vramledger")
 
 
-class ProcessMemory:
+class OwnMemory:
     """Reads the bytes this process holds on one device; read() is None where the device cannot say."""
 
     def __init__(self, kind: str, index: int = 0, uuid: str | None = None):
@@ -37,28 +38,29 @@ class ProcessMemory:
         if self._handle is None:
             return None
         try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+            procs = nvml_devices.memory_by_pid(self._nvml, self._handle)
         except Exception as e:  # a lost GPU, an old driver: the entry is absent, vLLM runs on
             log.debug("vramledger: NVML cannot list the processes of the device: %s", e)
             return None
-        used = [p.usedGpuMemory for p in procs if p.pid in self._pids]
-        if not used or None in used:  # our pid is not visible to NVML, or the driver cannot say
+        used = [used for pid, used in procs.items() if pid in self._pids]
+        known = [n for n in used if n is not None]
+        if not used or len(known) < len(used):  # our pid is not visible to NVML, or the driver cannot say
             return None
-        return sum(used)
+        return sum(known)
 
     def device_name(self) -> str | None:
-        if self._handle is None:
+        if self._nvml is None or self._handle is None:
             return None
         try:
-            return _text(self._nvml.nvmlDeviceGetName(self._handle))
+            return nvml_devices.text(self._nvml.nvmlDeviceGetName(self._handle))
         except Exception:
             return None
 
     def device_uuid(self) -> str | None:
-        if self._handle is None:
+        if self._nvml is None or self._handle is None:
             return None
         try:
-            return _text(self._nvml.nvmlDeviceGetUUID(self._handle))
+            return nvml_devices.text(self._nvml.nvmlDeviceGetUUID(self._handle))
         except Exception:
             return None
 
@@ -71,25 +73,8 @@ def _nvml_handle(index: int, uuid: str | None):
         except ImportError:
             from vllm.third_party import pynvml as nvml
         nvml.nvmlInit()
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-        if uuid:
-            wanted = uuid.removeprefix("GPU-").removeprefix("MIG-")
-            for handle in handles:
-                if _text(nvml.nvmlDeviceGetUUID(handle)).split("-", 1)[-1] == wanted:
-                    return nvml, handle
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        entry = visible.split(",")[index].strip() if visible else str(index)
-        if entry.isdigit():
-            return nvml, handles[int(entry)]
-        for handle in handles:  # CUDA accepts unique prefixes of UUIDs
-            if _text(nvml.nvmlDeviceGetUUID(handle)).startswith(entry):
-                return nvml, handle
-        raise LookupError(f"no NVML device is CUDA_VISIBLE_DEVICES entry {entry!r}")
+        return nvml, nvml_devices.find_handle(nvml, index, uuid)
     except Exception as e:
         log.warning("vramledger: NVML cannot say what this process holds on cuda:%d (%s); "
                     "the ledger has no runtime entry and no live process memory", index, e)
         return None, None
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
