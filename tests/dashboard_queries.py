@@ -67,6 +67,11 @@ EXPORTER_METRICS = {
     "vramledger_worker_declared_memory_bytes": "gauge",  # {worker}
     "vramledger_worker_observed_memory_bytes": "gauge",  # {worker, device}
     "vramledger_worker_unaccounted_memory_bytes": "gauge",  # {worker, device}
+    # A vLLM rank's ledger (the vLLM plugin), {worker, rank, ...}: the first two named as the worker's own.
+    "vramledger_memory_bytes": "gauge",  # {worker, rank, component, model}
+    "vramledger_memory_budget_bytes": "gauge",  # {worker, rank}
+    "vramledger_worker_weights_outside_budget_bytes": "gauge",  # {worker, rank, model}
+    "vramledger_worker_foreign_charged_bytes": "gauge",  # {worker, rank}
     "vramledger_exporter_collect_seconds": "histogram",
     "vramledger_exporter_errors_total": "counter",  # {source}
 }

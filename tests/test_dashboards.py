@@ -24,7 +24,7 @@ PROVISIONING = ROOT / "dashboards" / "provisioning"
 DS_UIDS = ("${datasource}", "$datasource")
 UNIT_PANELS = {"timeseries", "stat", "gauge", "bargauge", "heatmap", "table"}
 REQUIRED_VARIABLES = {
-    "memory-ledger": {"datasource", "instance", "worker", "device"},
+    "memory-ledger": {"datasource", "instance", "worker", "vllm", "device"},
     "serving": {"datasource", "instance", "device"},
 }
 # What each dashboard must show (issue 6), as the series it must query.
@@ -39,6 +39,7 @@ REQUIRED_SERIES = {
         "vramledger_device_foreign_memory_bytes", "vramledger_worker_observed_memory_bytes",
         "vramledger_worker_declared_memory_bytes", "vramledger_worker_unaccounted_memory_bytes",
         "vramledger_worker_up", "vramledger_worker_info", "vramledger_worker_kv_cache_usage_ratio",
+        "vramledger_worker_weights_outside_budget_bytes", "vramledger_worker_foreign_charged_bytes",
     },
     "serving": {
         "vramledger_requests_running", "vramledger_requests_waiting", "vramledger_prompt_tokens_total",

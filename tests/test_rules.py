@@ -19,6 +19,8 @@ ALERTS = {
     "VramledgerUnaccountedMemoryHigh",
     "VramledgerKVCacheNearlyFull",
     "VramledgerDeviceMemoryNearlyFull",
+    "VramledgerWeightsOutsideBudget",
+    "VramledgerForeignMemoryCharged",
     "VramledgerWorkerDown",
     "VramledgerWorkerNotServing",
     "VramledgerSpecDecodeAcceptanceLow",
