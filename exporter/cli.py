@@ -52,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base URL of a vramledger worker, its GET /v1/memory read each scrape (repeatable; "
                         "an OpenAI base URL ending in /v1 means its server)")
     p.add_argument("--vllm", action="append", default=[], metavar="URL[=PID]", type=_vllm,
-                   help="base URL of a vLLM server whose /metrics is read each scrape (repeatable; an "
-                        "OpenAI base URL ending in /v1 means its server); its processes are found by the "
-                        "port it listens on, or from PID (its API server) when the exporter cannot see "
-                        "that socket (another network namespace)")
+                   help="base URL of a vLLM server whose /metrics is read each scrape, and its ledger "
+                        "(/vramledger/memory, with the vramledger vLLM plugin) once per server run "
+                        "(repeatable; an OpenAI base URL ending in /v1 means its server); its processes are "
+                        "found by the port it listens on, or from PID (its API server) when the exporter "
+                        "cannot see that socket (another network namespace)")
     p.add_argument("--kubernetes", action="store_true",
                    help="in a cluster: also watch the engines of this node (NODE_NAME) that the API "
                         "lists, by the pod label vramledger.io/engine (vramledger or vllm), and name each "

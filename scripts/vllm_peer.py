@@ -49,8 +49,9 @@ def plugin_installed(python: Path) -> bool:
         return False
     found = json.loads(out.stdout)
     wanted = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
-    if any(found["entry_points"].get(group, {}).get(name) != value
-           for group, points in wanted.items() if group.startswith("vllm.") for name, value in points.items()):
+    ours = {(group, name): value for group, points in wanted.items() if group.startswith("vllm.")
+            for name, value in points.items()}
+    if any(found["entry_points"].get(group, {}).get(name) != value for (group, name), value in ours.items()):
         return False
     if len(found["package"]) != 1:
         return False

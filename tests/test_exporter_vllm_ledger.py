@@ -54,7 +54,8 @@ def test_the_recorded_cpu_ledger():
 
 def test_the_recorded_cuda_ledgers_show_the_two_bugs():
     [neighbour] = parse_ranks("http://vllm:8000", load(NEIGHBOUR))
-    assert (neighbour.device_kind, neighbour.device_uuid, neighbour.budget_bytes) == ("cuda", "GPU-fake", 2 * GiB)
+    assert (neighbour.device_kind, neighbour.device_uuid) == ("cuda", "GPU-fake")
+    assert neighbour.budget_bytes == 2 * GiB
     assert Entry("non_torch", "", 288 * MiB, True) in neighbour.entries  # device-wide: the neighbour's in it
     assert neighbour.foreign_charged_bytes == 256 * MiB  # its own non-torch growth was 32 MiB
     assert neighbour.weights_outside_budget() == {"target": 0, "draft": 0}
@@ -112,7 +113,7 @@ def test_a_cpu_vllm_with_the_plugin_declares_its_ledger_on_the_host(spawn, tmp_p
 
 # --- CUDA ranks over a fake NVML ----------------------------------------------------------------
 
-def test_cuda_ranks_declare_on_their_gpu_and_publish_the_two_warnings(monkeypatch, spawn, tmp_path):  # noqa: F811
+def test_cuda_ranks_declare_on_their_gpu_and_warn(monkeypatch, spawn, tmp_path):  # noqa: F811
     # Two vLLM servers share the GPU: one whose profile run counted a neighbour's 256 MiB as its own,
     # one that loaded its draft after sizing its budget.
     *_, [rank_a], url_a = start_tree(spawn, gpu_text(), tmp_path, ledger=NEIGHBOUR)

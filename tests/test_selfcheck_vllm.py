@@ -64,15 +64,14 @@ def test_without_vllm_it_is_skipped_saying_how_to_name_it():
 
 def test_the_plugin_must_be_there_in_this_version_on_a_supported_vllm():
     points = {"vllm.general_plugins": ["vramledger"], "vllm.endpoint_plugins": ["vramledger"]}
-    scenario_vllm.check_environment("vllm-python", {"vllm": "0.32.0", "plugin": "0.1.0", "entry_points": points},
-                                    "0.1.0")
+    good = {"vllm": "0.32.0", "plugin": "0.1.0", "entry_points": points}
+    scenario_vllm.check_environment("vllm-python", good, "0.1.0")  # nothing to say
     for found, why in (({"plugin": None}, "not installed for vllm-python"),
                        ({"entry_points": {**points, "vllm.endpoint_plugins": []}}, "not installed"),
                        ({"plugin": "0.0.9"}, "has vramledger 0.0.9, this selfcheck is 0.1.0"),
                        ({"vllm": "0.99.0"}, "vLLM 0.99.0 is not a version this plugin was built for")):
         with pytest.raises(CannotRun, match=why):
-            scenario_vllm.check_environment(
-                "vllm-python", {"vllm": "0.32.0", "plugin": "0.1.0", "entry_points": points} | found, "0.1.0")
+            scenario_vllm.check_environment("vllm-python", good | found, "0.1.0")
 
 
 @pytest.mark.skipif(vllm_peer.vllm_python() is None, reason="no vLLM venv (VLLM_VENV or .venv-vllm)")

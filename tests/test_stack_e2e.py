@@ -37,9 +37,10 @@ def foreign_floor() -> int:
 @pytest.fixture(scope="module")
 def vllm_servers():
     """The vLLM-shaped trees' URLs; each tree exits when its stdin closes."""
-    trees = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "vllm_tree.py"), str(DATA / metrics),
-                               "--ledger", str(DATA / ledger)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True) for metrics, ledger in VLLM_SERVERS]
+    tree = Path(__file__).parent / "vllm_tree.py"
+    trees = [subprocess.Popen([sys.executable, str(tree), str(DATA / metrics), "--ledger",
+                               str(DATA / ledger)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for metrics, ledger in VLLM_SERVERS]
     try:
         yield [f"http://127.0.0.1:{tree.stdout.readline().split()[1]}" for tree in trees]
     finally:

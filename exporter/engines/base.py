@@ -2,8 +2,9 @@
 
 An adapter reads one server per scrape and answers an EngineState: the host pids of its processes,
 what it declares (a fixed number of bytes, its ledger per rank, or a share of each device it uses),
-its KV cache usage and its identity; or it raises NotServing, saying which of the other lifecycle states the server is
-in and why. SGLang or TGI would be one more module beside vramledger.py and vllm.py.
+its KV cache usage and its identity; or it raises NotServing, saying which of the other lifecycle
+states the server is in and why. SGLang or TGI would be one more module beside vramledger.py and
+vllm.py.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ CHARGED_TOLERANCE = 64 * MiB
 MAX_SHARE, MARGIN_SHARE = 0.5, 0.05  # vLLM's gpu_memory_utilization: at most half, within what is free
 PROBE = """
 import importlib.metadata as md, json, vllm.version
-points = {g: [e.name for e in md.entry_points(group=g)] for g in ("vllm.general_plugins", "vllm.endpoint_plugins")}
+groups = ("vllm.general_plugins", "vllm.endpoint_plugins")
+points = {g: [e.name for e in md.entry_points(group=g)] for g in groups}
 try:
     plugin = md.version("vramledger")
 except md.PackageNotFoundError:
@@ -53,8 +54,8 @@ def vllm_python(given: str | None) -> str:
 def probe(python: str) -> dict:
     """vLLM's version and the plugin installed beside it, asked of vLLM's interpreter (isolated: -I)."""
     with tempfile.TemporaryDirectory() as away:
-        out = subprocess.run([python, "-I", "-c", PROBE], capture_output=True, text=True, cwd=away, timeout=300,
-                             check=False)
+        out = subprocess.run([python, "-I", "-c", PROBE], capture_output=True, text=True, cwd=away,
+                             timeout=300, check=False)
     if out.returncode != 0:
         lines = (out.stderr or out.stdout).strip().splitlines()
         raise CannotRun(f"{python} cannot import vLLM: {lines[-1] if lines else f'exit {out.returncode}'}")
@@ -67,7 +68,8 @@ def check_environment(python: str, found: dict, ours: str) -> None:
     if found["plugin"] is None or any(PLUGIN_NAME not in names for names in found["entry_points"].values()):
         raise CannotRun(f"the vramledger vLLM plugin is not installed for {python}: {install}")
     if found["plugin"] != ours:
-        raise CannotRun(f"vLLM's environment has vramledger {found['plugin']}, this selfcheck is {ours}: {install}")
+        raise CannotRun(f"vLLM's environment has vramledger {found['plugin']}, this selfcheck is {ours}: "
+                        f"{install}")
     reason = unsupported_reason(found["vllm"])
     if reason is not None:
         raise CannotRun(reason)
@@ -85,7 +87,8 @@ def run(ctx: Context, result: ScenarioResult) -> None:
     total = view.total_bytes()
     share = math.floor(min(MAX_SHARE, view.free_bytes() / total - MARGIN_SHARE) * 100) / 100
     if share < 0.1:
-        raise CannotRun(f"needs a tenth of {s.device} free for vLLM; {format_bytes(view.free_bytes())} is free")
+        raise CannotRun(f"needs a tenth of {s.device} free for vLLM; {format_bytes(view.free_bytes())} "
+                        "is free")
     port = free_port()
     speculative = {"model": s.draft_model, "num_speculative_tokens": s.num_speculative_tokens,
                    "method": "draft_model"}
@@ -144,10 +147,11 @@ def check_ledger(result: ScenarioResult, doc: dict, blocks: int | None, seen: in
     for model, wanted in expected_weights.items():
         entry = entries.get(("weights", model))
         held = entry["bytes"] if entry else None
+        near = held is not None and abs(held - wanted) <= WEIGHTS_TOLERANCE * wanted
         result.add(Check.compare(
-            f"weights[{model}] vs checkpoint", held is not None and abs(held - wanted) <= WEIGHTS_TOLERANCE * wanted,
-            format_bytes(held) if held is not None else "no entry",
-            f"{format_bytes(wanted)} (checkpoint) ±{WEIGHTS_TOLERANCE:.0%}", measured_bytes=held, expected_bytes=wanted))
+            f"weights[{model}] vs checkpoint", near, format_bytes(held) if held is not None else "no entry",
+            f"{format_bytes(wanted)} (checkpoint) ±{WEIGHTS_TOLERANCE:.0%}", measured_bytes=held,
+            expected_bytes=wanted))
     draft = entries.get(("weights", "draft"), {})
     result.add(Check.compare("draft in the budget", draft.get("in_budget") is True,
                              f"in_budget: {json.dumps(draft.get('in_budget'))}",
@@ -156,7 +160,8 @@ def check_ledger(result: ScenarioResult, doc: dict, blocks: int | None, seen: in
     wanted_budget = math.ceil(share * total) if total else None
     result.add(Check.compare("budget", budget is not None and budget == wanted_budget,
                              format_bytes(budget) if budget is not None else "none",
-                             f"{share:.2f} x {format_bytes(total or 0)} = {format_bytes(wanted_budget or 0)}"))
+                             f"{share:.2f} x {format_bytes(total or 0)} = "
+                             f"{format_bytes(wanted_budget or 0)}"))
     kv, cache = entries.get(("kv_cache", ""), {}).get("bytes"), rank["kv_cache"]
     result.add(Check.compare(
         "KV cache allocated", kv is not None and blocks is not None and cache["blocks_total"] == blocks
@@ -171,9 +176,9 @@ def check_ledger(result: ScenarioResult, doc: dict, blocks: int | None, seen: in
         f"declared {format_bytes(declared)} - activation peak = {format_bytes(idle)} ±{VIEW_TOLERANCE:.0%}",
         measured_bytes=seen, expected_bytes=idle))
     live = rank["live"].get("process_bytes")
-    result.add(Check.compare("live process memory", live is not None and seen is not None
-                             and abs(live - seen) <= 0.01 * seen,
-                             format_bytes(live) if live is not None else "unknown (no NVML in vLLM's process)",
+    result.add(Check.compare("live process memory",
+                             live is not None and seen is not None and abs(live - seen) <= 0.01 * seen,
+                             format_bytes(live) if live is not None else "unknown (no NVML in its process)",
                              f"the device's view {format_bytes(seen or 0)} ±1%"))
     profile = rank.get("profile") or {}
     device, own = profile.get("non_torch_increase_bytes"), profile.get("non_torch_process_bytes")
