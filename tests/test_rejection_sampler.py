@@ -111,3 +111,39 @@ def test_inverse_cdf_never_draws_a_zero_weight_even_at_the_edges():
     edge = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))  # the largest float below 1
     u = torch.tensor([[0.0], [0.2499], [0.25], [edge], [edge]])
     assert inverse_cdf(weights, u).tolist() == [1, 1, 4, 4, 3]  # unnormalized rows scale u by their sum
+
+
+def min_p_reference(logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
+    """vLLM's and HF's min-p, written out: after temperature, drop what is below min_p x the top probability."""
+    probs = (logits / temperature).softmax(-1)
+    kept = torch.where(probs >= min_p * probs.max(-1, keepdim=True).values, probs, torch.zeros_like(probs))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def test_min_p_target_and_draft_keep_rejection_sampling_exact():
+    """min_p filters the draft and the target alike: the emitted tokens follow the target's min-p distribution."""
+    gen = torch.Generator().manual_seed(12)  # a pair whose filtered supports overlap
+    target_logits = torch.randn(2, V, generator=gen) * 1.5
+    draft_logits = torch.randn(1, V, generator=gen) * 1.5
+    params = SamplingParams(temperature=0.8, min_p=0.2)
+    p0, p1 = min_p_reference(target_logits, 0.8, 0.2)
+    unfiltered = (target_logits[0] / 0.8).softmax(-1)
+    dropped = p0 == 0
+    assert dropped.any() and unfiltered[dropped].sum() > 5 * BOUND  # the filter matters here
+    q_ref = min_p_reference(draft_logits, 0.8, 0.2)[0]
+    assert ((q_ref > 0) & dropped).any()  # the draft proposes tokens the target's filter drops
+
+    torch.manual_seed(3)
+    rows = RowParams([params] * N, [None] * N, torch.device("cpu"))
+    q = probabilities(draft_logits.expand(N, V), rows)
+    assert torch.allclose(q[0], q_ref, atol=1e-6)
+    draft = sample(q, rows)
+    p = probabilities(target_logits.expand(N, 2, V).flatten(0, 1), rows.expand(2)).view(N, 2, V)
+    num_accepted, tokens = verify(draft[:, None], q[:, None], p, rows)
+
+    first = frequencies(tokens[:, 0])
+    assert (first - p0).abs().max() < BOUND
+    assert first[dropped].sum() == 0  # a dropped token is never emitted, though the draft proposed some
+    assert abs(num_accepted.float().mean() - torch.minimum(p0, q_ref).sum()) < BOUND
+    bonus = frequencies(tokens[num_accepted == 1, 1])
+    assert (bonus - p1).abs().max() < 5 * (0.25 / int((num_accepted == 1).sum())) ** 0.5

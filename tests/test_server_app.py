@@ -1,8 +1,11 @@
 """The app factory in-process: loading and failed states, auth on /metrics, a model without a chat template."""
+import logging
 import threading
 import time
 
+import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from worker.config import EngineConfig
@@ -86,3 +89,38 @@ def test_metrics_of_several_apps_live_in_their_own_registries(checkpoints, accep
             text = client.get("/metrics", headers={"Accept": accept}).text
             assert text.count("# TYPE vramledger_time_to_first_token_seconds histogram") == 1
     never.set()
+
+
+def test_an_unexpected_error_is_a_500_logged_once_and_its_connection_serves_on(checkpoints, caplog):
+    never = threading.Event()
+    app = create_app(small_config(checkpoints["llama"]), ServerSettings(metrics=False),
+                     engine_factory=lambda c: never.wait(60))
+
+    async def broken():
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/test/broken", broken, include_in_schema=False)  # what no route of ours should do
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        one_connection = httpx.Limits(max_connections=1)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", limits=one_connection) as client:
+            with caplog.at_level(logging.ERROR):
+                crashed = client.get("/test/broken")
+            assert crashed.status_code == 500 and crashed.headers.get("connection") != "close"
+            assert crashed.json()["error"] == {"message": "internal server error", "type": "server_error",
+                                               "param": None, "code": "internal_error"}
+            assert client.get("/health").status_code == 503  # the same connection answers (loading)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and errors[0].exc_info is not None
+        assert "/test/broken" in errors[0].getMessage()
+    finally:
+        server.should_exit = True
+        never.set()
+        thread.join(10)

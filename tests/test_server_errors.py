@@ -77,7 +77,7 @@ def test_bad_chat_request_is_400(spec_server, body, param):
 
 @pytest.mark.parametrize("raw", [b"{not json", b'{"model": "llama-chat", "prompt": "x", "temperature": NaN}',
                                  b'{"model": "llama-chat", "prompt": "x", "temperature": Infinity}',
-                                 b"[1, 2]", b'"text"', b"", b"[" * 100_000 + b"]" * 100_000,
+                                 b"[1, 2]", b'"text"', b"", b"[" * 40_000 + b"]" * 40_000,
                                  b'{"model": "llama-chat", "prompt": "\xff\xfe"}'])
 def test_invalid_json_or_non_finite_numbers_are_400(spec_server, raw):
     response = httpx.post(spec_server.url + "/v1/completions", content=raw,

@@ -65,6 +65,15 @@ def test_penalties_change_greedy_text_the_same_way_with_and_without_the_draft(cl
     assert all(a != b for a, b in zip(with_draft, with_draft[1:]))  # the repetition penalty at work
 
 
+def test_min_p_one_keeps_only_the_most_likely_token_with_and_without_the_draft(client, plain_client):
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 12, "temperature": 1.5, "seed": 3}
+    greedy = token_ids(client.completions.create(**{**body, "temperature": 0}, **ids()).choices[0])
+    sampled = token_ids(client.completions.create(**body, **ids()).choices[0])
+    assert sampled != greedy  # at this temperature the draws leave the greedy path
+    for c in (client, plain_client):  # the draft proposes under min_p too
+        assert token_ids(c.completions.create(**body, **ids({"min_p": 1.0})).choices[0]) == greedy
+
+
 def test_completion_logprobs_whole_and_streamed(client, plain_client):
     out = client.completions.create(prompt="hello", logprobs=2, **GREEDY, **ids())
     lp = out.choices[0].logprobs

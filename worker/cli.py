@@ -7,6 +7,7 @@ import sys
 
 from vramledger.units import parse_size  # its SizeError is an ArgumentTypeError too
 from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+from worker.http.settings import SHUTDOWN_MARGIN
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
 
@@ -80,8 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this Bearer token on /v1/* (or set VRAMLEDGER_API_KEY)")
     add_waiting_flag(serve)
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                       help="on SIGTERM, running requests get this long to finish before they are aborted "
-                            "(default 30; match the pod's terminationGracePeriodSeconds)")
+                       help="on SIGTERM, running requests get this long to finish before they are "
+                            f"aborted (default 30); the process then exits within {SHUTDOWN_MARGIN:.0f} s "
+                            "more, so give the pod a terminationGracePeriodSeconds of at least this + "
+                            f"{SHUTDOWN_MARGIN:.0f} (docs/kubernetes.md)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name the API answers to and reports (default: the model directory's name)")
     serve.set_defaults(run=run_serve)
@@ -120,11 +123,17 @@ def run_profile(args: argparse.Namespace) -> int:
     from functools import partial
 
     from worker.engine.llm_engine import LLMEngine
+    from worker.http.prompt_encoder import PromptEncoder
     from worker.http.request_state import requests_in_flight
+    from worker.http.settings import ServerSettings
     from worker.memory.ledger import format_table, plot
 
     config = engine_config(args)  # the ledger `serve` would declare, its requests in flight included
-    engine = LLMEngine(config, partial(requests_in_flight, config, args.max_waiting))
+    encoder = PromptEncoder()
+    encoder.load(config.model)
+    settings = ServerSettings(max_waiting=args.max_waiting)
+    engine = LLMEngine(config, partial(requests_in_flight, config, settings, encoder))
+    encoder.shutdown()
     if args.json:
         print(json.dumps(engine.memory_report(), indent=2))
     else:

@@ -57,7 +57,8 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     states = measure_held(device, lambda: (request_states(c, tokenizer, device.torch_device),
                                            block_index(c, usable // per_block)))
     ledger.record("sequence_state", states)
-    ledger.record("server", measure_held(device, server_state) if server_state else 0)
+    # The server's work (tokenizing) frees what it needed: its peak counts.
+    ledger.record("server", measure_held(device, server_state, peak=True) if server_state else 0)
 
     budget, kv = budget_bytes(device, utilization, c.kv_cache_memory, ledger.non_kv_bytes, usable)
     num_blocks = plan_kv_blocks(kv, per_block, c.block_size, c.max_model_len, k)

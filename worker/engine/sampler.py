@@ -22,7 +22,8 @@ class RowParams:
                                         device=device)
         self.top_k = torch.tensor([p.top_k for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], device=device)
-        self.needs_filter = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        self.min_p = torch.tensor([p.min_p for p in params], device=device)
+        self.needs_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         self.generators = generators
         self.shared = shared
         self.history = history  # penalties and min_tokens; None when no row has any
@@ -35,6 +36,7 @@ class RowParams:
         out.temperature = self.temperature.repeat_interleave(n)
         out.top_k = self.top_k.repeat_interleave(n)
         out.top_p = self.top_p.repeat_interleave(n)
+        out.min_p = self.min_p.repeat_interleave(n)
         out.needs_filter = self.needs_filter
         out.generators = [g for g in self.generators for _ in range(n)]
         out.shared = self.shared
@@ -43,7 +45,7 @@ class RowParams:
 
 
 def probabilities(logits: torch.Tensor, rows: RowParams, proposed: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, V] logits -> [N, V] probabilities after penalties, temperature, top-k and top-p.
+    """[N, V] logits -> [N, V] probabilities after penalties, temperature, top-k, top-p and min-p.
 
     `proposed` [N, j]: draft tokens after the committed output that the history must include.
     """
@@ -57,6 +59,8 @@ def probabilities(logits: torch.Tensor, rows: RowParams, proposed: torch.Tensor 
         sorted_probs = sorted_logits.softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= rows.top_p[:, None]
+        # min-p: below min_p x the top token's probability (a ratio top-k and top-p leave unchanged).
+        drop |= sorted_probs < rows.min_p[:, None] * sorted_probs[:, :1]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return logits.softmax(-1)
@@ -101,7 +105,7 @@ def sample(probs: torch.Tensor, rows: RowParams) -> torch.Tensor:
 
 
 def only_temperature(logits: torch.Tensor, rows: RowParams) -> bool:
-    """Whether every row samples at a temperature only (no greedy row, no penalty, top-k or top-p)
+    """Whether every row samples at a temperature only (no greedy row, penalty, top-k, top-p or min-p)
     from float32 logits on the CPU: the rows the C kernels (draw_tokens.c, verify_tokens.c) take."""
     return not (rows.any_greedy or rows.needs_filter or rows.history is not None) and \
         logits.device.type == "cpu" and logits.dtype == torch.float32

@@ -15,6 +15,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 disables
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -40,6 +41,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -12,7 +12,7 @@ from worker.http.errors import APIError, error_body
 from worker.http.renderer import ResponseRenderer, usage
 
 if TYPE_CHECKING:
-    from worker.engine.outputs import RequestOutput
+    from worker.engine.outputs import RequestOutput, TokenLogprob
     from worker.http.renderer import Choice
 
 
@@ -43,7 +43,7 @@ async def merged(streams: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Reque
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=pending.get):
+            for task in sorted(done, key=lambda t: pending[t]):
                 i = pending.pop(task)
                 out = task.result()
                 yield i, out
@@ -56,9 +56,9 @@ async def merged(streams: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Reque
 
 async def collect(job: Job) -> list[Choice]:
     """Every choice run to its end: (text, token ids, finish reason, logprobs) per choice."""
-    texts = [[] for _ in job.streams]
-    token_ids = [[] for _ in job.streams]
-    logprobs = [[] for _ in job.streams]
+    texts: list[list[str]] = [[] for _ in job.streams]
+    token_ids: list[list[int]] = [[] for _ in job.streams]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in job.streams]
     reasons: list[str | None] = [None] * len(job.streams)
     async for i, out in merged(job.streams):
         if isinstance(out, EngineFailed):

@@ -17,10 +17,10 @@ import uvicorn
 
 from worker.http.engine_loop import EngineLoop
 from worker.http.errors import error_body, send_json
+from worker.http.settings import ABORT_GRACE
 
 log = logging.getLogger(__name__)
 RETRY_AFTER = "5"  # seconds; a client's retry then lands on a replica that is not draining
-ABORT_GRACE = 5.0  # seconds after the deadline for aborted requests to send their last chunk
 
 
 class Drain:

@@ -124,6 +124,8 @@ class EngineLoop:
 
     # -- the engine thread -----------------------------------------------------------------
     def _post(self, callback, argument) -> None:
+        if self._aloop is None:
+            return  # never started: nobody to tell
         try:
             self._aloop.call_soon_threadsafe(callback, argument)
         except RuntimeError:
@@ -154,10 +156,16 @@ class EngineLoop:
         if self.on_fatal is not None:
             self.on_fatal(exc)
 
+    @property
+    def _loaded(self) -> LLMEngine:
+        """The engine, on the engine thread once it has loaded (the only place these run)."""
+        assert self.engine is not None, "the engine thread steps only a loaded engine"
+        return self.engine
+
     def _next_commands(self) -> list[tuple] | None:
         """Wait until there is a command or a request to step (no busy spin); None to stop."""
         with self._wake:
-            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+            while not (self._commands or self._stopping or self._loaded.has_unfinished_requests()):
                 self._wake.wait()
             if self._stopping:
                 return None
@@ -171,7 +179,7 @@ class EngineLoop:
             if command[0] == "add":
                 _, request_id, token_ids, params, arrival = command
                 try:
-                    self.engine.add_request(token_ids, params, request_id)
+                    self._loaded.add_request(token_ids, params, request_id)
                     if self.metrics is not None:
                         self.metrics.added(request_id, arrival)
                 except ValueError as exc:  # the server validates first; this is the last guard
@@ -181,13 +189,13 @@ class EngineLoop:
             else:
                 if self.metrics is not None:  # counted first: a scrape that sees the blocks freed sees it
                     self.metrics.aborted(command[1])
-                self.engine.abort_request(command[1])
+                self._loaded.abort_request(command[1])
         if failed:
             self._post(self._deliver, failed)
 
     def _step(self) -> None:
         started = time.monotonic()
-        outputs = self.engine.step()
+        outputs = self._loaded.step()
         ended = time.monotonic()
         if outputs:
             self._post(self._deliver, [(out.request_id, out) for out in outputs])

@@ -6,6 +6,7 @@ Plain pydantic and json: the ledger's request state (request_state.py) imports t
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -24,7 +25,7 @@ class ErrorResponse(BaseModel):
 
 
 # The error responses the OpenAPI schema documents for a route.
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 
 
 class APIError(Exception):

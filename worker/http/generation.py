@@ -1,13 +1,15 @@
 """A generation request from admission to answer, shared by the completions and chat routers.
 
-`admit` checks the request against the engine and the queue and submits one engine sequence per
-choice; `respond` answers with the whole response, or with server-sent events when it streams.
+`prepare` reads, parses and tokenizes the request; `admit` checks it against the engine and the
+queue and submits one engine sequence per choice; `respond` answers with the whole response, or
+with server-sent events when it streams.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from typing import TypeVar
 
 import anyio
 from fastapi import Request
@@ -18,22 +20,53 @@ from worker.http.engine_loop import EngineLoop
 from worker.http.errors import APIError
 from worker.http.openai_protocol import choice_params, sampling_params
 from worker.http.renderer import ResponseRenderer
-from worker.http.request_models import SamplingRequest
+from worker.http.request_body import parse, read_json
+from worker.http.request_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from worker.http.state import ServerState
 
 
-def admit(state: ServerState, body: SamplingRequest, token_ids: list[int], chat: bool, param: str) -> Job:
-    """Submit the request's n choices, or refuse it: 400 when it cannot fit, 503 when the queue is full."""
-    engine = state.engine_or_503()
-    max_waiting, engine_loop = state.settings.max_waiting, state.engine_loop
-    params = sampling_params(body, len(token_ids), engine.config.max_model_len, chat, param,
-                             state.encoder.vocab_size)
-    if body.n > max_waiting:  # could never be admitted: the client's to change
-        raise APIError(400, f"n={body.n} is more than this worker queues ({max_waiting})",
+def check_queue(state: ServerState, n: int, tokenizing: int = 0) -> None:
+    """400 when n choices could never be admitted; 503 when they do not fit in the queue now, beside
+    the requests waiting for the engine and the `tokenizing` ones (each becomes at least one)."""
+    max_waiting = state.settings.max_waiting
+    if n > max_waiting:  # the client's to change
+        raise APIError(400, f"n={n} is more than this worker queues ({max_waiting})",
                        param="n", code="invalid_value")
-    if engine_loop.num_waiting() + body.n > max_waiting:
+    if state.engine_loop.num_waiting() + tokenizing + n > max_waiting:
         raise APIError(503, f"the worker is overloaded ({max_waiting} requests waiting); "
                        "retry later", type="server_error", code="queue_full", headers={"Retry-After": "1"})
+
+
+Generation = TypeVar("Generation", CompletionRequest, ChatCompletionRequest)
+
+
+async def prepare(state: ServerState, request: Request, model: type[Generation]) -> tuple[Generation, list[int]]:
+    """A generation request read, parsed and tokenized (a few at a time: the others wait holding
+    only their bytes), once the queue has room for it; its texts are dropped then, as its token ids
+    say the same."""
+    raw = await read_json(request)
+    async with state.encoder.stage(len(raw)):
+        body = parse(raw, model)
+        del raw
+        engine = state.engine_or_503()
+        state.check_model(body.model)
+        check_queue(state, body.n, tokenizing=state.encoder.pending)
+        max_model_len = engine.config.max_model_len
+        if isinstance(body, ChatCompletionRequest):
+            token_ids = await state.encoder.chat(body, max_model_len)
+        else:
+            token_ids = await state.encoder.prompt(body.prompt, max_model_len)
+    body.drop_texts()
+    return body, token_ids
+
+
+def admit(state: ServerState, body: CompletionRequest | ChatCompletionRequest, token_ids: list[int], chat: bool,
+          param: str) -> Job:
+    """Submit the request's n choices, or refuse it: 400 when it cannot fit, 503 when the queue is full."""
+    engine = state.engine_or_503()
+    engine_loop = state.engine_loop
+    params = sampling_params(body, len(token_ids), engine.config.max_model_len, param, state.encoder.vocab_size)
+    check_queue(state, body.n)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choice_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     arrival = time.monotonic()

@@ -3,17 +3,20 @@ on /v1/* (and /metrics when asked) and the request body size limit."""
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from worker.http.errors import error_body, send_json
 from worker.http.settings import ServerSettings
 
 
 class Guard:
-    """Bearer check on /v1/* (constant time) and a request body size limit (413)."""
+    """Bearer check on /v1/* (constant time) and a request body size limit (413): `body_limit()`
+    bytes, what a request that fits the model can need (prompt_bounds.py)."""
 
-    def __init__(self, app, settings: ServerSettings):
+    def __init__(self, app, settings: ServerSettings, body_limit: Callable[[], int]):
         self.app = app
         self.settings = settings
+        self.body_limit = body_limit
         self.key = settings.api_key.encode() if settings.api_key else None
 
     async def __call__(self, scope, receive, send):
@@ -30,7 +33,7 @@ class Guard:
             body = await self._read_body(scope, receive, send)
             if body is None:
                 return None
-            receive = replay(body, receive)
+            receive, body = replay(body, receive), None  # the app's to drop once parsed
         return await self.app(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
@@ -40,9 +43,9 @@ class Guard:
 
     async def _read_body(self, scope, receive, send) -> bytes | None:
         """The whole body, or None after answering 413 (or when the client left)."""
-        limit = self.settings.max_body_bytes
-        too_large = error_body(f"the request body is larger than {limit} bytes", "invalid_request_error",
-                               None, "request_too_large")
+        limit = self.body_limit()
+        too_large = error_body(f"the request body is larger than {limit} bytes, more than any request this "
+                               "worker can serve needs", "invalid_request_error", None, "request_too_large")
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:  # refuse before reading it
             await send_json(send, 413, too_large)
@@ -63,14 +66,13 @@ class Guard:
 
 
 def replay(body: bytes, receive):
-    """A receive callable that hands out the buffered body once, then the client's own messages."""
-    sent = False
+    """A receive callable that hands out the buffered body once (keeping no reference to it: a
+    running request holds only what was parsed from it), then the client's own messages."""
+    buffered: list[bytes] = [body]
 
     async def replayed():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        if buffered:
+            return {"type": "http.request", "body": buffered.pop(), "more_body": False}
         return await receive()
 
     return replayed

@@ -215,13 +215,14 @@ class RequestMetrics:
             if timing is None:
                 continue
             n = len(out.new_token_ids)
-            if n and timing.last_token is None:
+            last = timing.last_token
+            if n and last is None:
                 # A long prompt's prefill takes several steps: its first scheduling may be steps earlier.
                 scheduled = started if out.first_scheduled_time is None else out.first_scheduled_time
                 self.queue.observe(max(0.0, scheduled - timing.arrival))
                 self.ttft.observe(ended - timing.arrival)
-            elif n:
-                gap = (ended - timing.last_token) / n
+            elif n and last is not None:
+                gap = (ended - last) / n
                 for _ in range(n):
                     self.inter_token.observe(gap)
             if n:

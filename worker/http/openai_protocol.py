@@ -2,58 +2,85 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from worker.engine.sampling_params import SamplingParams
 from worker.http.errors import APIError
-from worker.http.request_models import ChatCompletionRequest, SamplingRequest
+from worker.http.request_models import ChatCompletionRequest, CompletionRequest
 
 
-def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
-    """A completion prompt (text or token ids, alone or in a list of one) as token ids."""
+def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """A completion prompt (text or token ids, alone or in a list of one): 400 for a batch or nothing."""
+    one = prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "batched prompts are not supported; send one request per prompt",
                            param="prompt", code="invalid_value")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt)
-    else:
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt",
-                           code="invalid_value")
-        token_ids = list(prompt)
-    if not token_ids:
+        one = prompt[0]
+    if not one:
         raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-    return token_ids
+    return cast("str | list[int]", one)  # a string, or the token ids the request model allows
 
 
-def chat_token_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    """The conversation through the tokenizer's chat template, opened for the assistant's turn."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "the model's tokenizer has no chat template; use /v1/completions",
-                       param="messages", code="no_chat_template")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # the template rejects the conversation (e.g. raise_exception)
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
-                       code="invalid_value") from exc
-    token_ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote any special tokens
-    if not token_ids:
-        raise APIError(400, "the conversation is empty", param="messages", code="empty_prompt")
-    return token_ids
-
-
-def sampling_params(body: SamplingRequest, prompt_tokens: int, max_model_len: int, chat: bool,
-                    param: str, vocab_size: int | None = None) -> SamplingParams:
-    """The engine's SamplingParams; the prompt and max_tokens must fit in max_model_len together."""
-    room = max_model_len - prompt_tokens  # the engine needs the prompt plus at least one new token to fit
-    if room < 1:
+def check_fits(prompt_tokens: int, max_model_len: int, param: str) -> None:
+    """The engine needs the prompt plus at least one new token to fit in max_model_len."""
+    if prompt_tokens > max_model_len - 1:
         raise APIError(400, f"the prompt has {prompt_tokens} tokens; max_model_len is {max_model_len}, "
                        f"so at most {max_model_len - 1} prompt tokens fit", param=param,
                        code="context_length_exceeded")
+
+
+def checked_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> list[int]:
+    """A token-id prompt that fits and indexes the vocabulary."""
+    check_fits(len(token_ids), max_model_len, "prompt")
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt",
+                       code="invalid_value")
+    return list(token_ids)
+
+
+def text_token_ids(text: str, tokenizer, chat: bool) -> list[int]:
+    """A text's token ids: a prompt's with the tokenizer's special tokens, a rendered conversation's
+    without (its template wrote them)."""
+    token_ids = tokenizer.encode(text, add_special_tokens=not chat)
+    if not token_ids:
+        raise APIError(400, f"the {'conversation' if chat else 'prompt'} is empty",
+                       param="messages" if chat else "prompt", code="empty_prompt")
+    return token_ids
+
+
+def chat_text(body: ChatCompletionRequest, tokenizer) -> str:
+    """The conversation through the tokenizer's chat template, opened for the assistant's turn; 400
+    when a message has a `name` the template leaves out."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "the model's tokenizer has no chat template; use /v1/completions",
+                       param="messages", code="no_chat_template")
+    messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                for m in body.messages]
+    text = render(tokenizer, messages)
+    if any("name" in m for m in messages) and text == render(tokenizer, [
+            {k: v for k, v in m.items() if k != "name"} for m in messages]):
+        raise APIError(400, "this model's chat template does not use message names; leave `name` out",
+                       param="messages", code="unsupported_parameter")
+    return text
+
+
+def render(tokenizer, messages: list[dict]) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template rejects the conversation (e.g. raise_exception)
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
+                       code="invalid_value") from exc
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, max_model_len: int,
+                    param: str, vocab_size: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams; the prompt and max_tokens must fit in max_model_len together."""
+    check_fits(prompt_tokens, max_model_len, param)
+    room = max_model_len - prompt_tokens
+    chat = isinstance(body, ChatCompletionRequest)
     requested, name = body.max_tokens, "max_tokens"
-    if chat and body.max_completion_tokens is not None:  # the newer name wins, as in OpenAI's API
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:  # the newer name wins
         requested, name = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested = room if chat else min(16, room)
@@ -68,10 +95,10 @@ def sampling_params(body: SamplingRequest, prompt_tokens: int, max_model_len: in
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids",
                        code="invalid_value")
-    if chat and body.top_logprobs is not None and not body.logprobs:
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     return SamplingParams(max_tokens=requested, temperature=body.effective_temperature, top_p=body.top_p,
-                          top_k=max(0, body.top_k), seed=body.seed, stop=body.stop_list,
+                          top_k=max(0, body.top_k), min_p=body.min_p, seed=body.seed, stop=body.stop_list,
                           stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                           repetition_penalty=body.repetition_penalty, logprobs=body.num_logprobs)

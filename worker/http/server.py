@@ -6,16 +6,19 @@ import argparse
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from worker.config import EngineConfig
 from worker.http.drain import DrainGate, DrainingServer
-from worker.http.error_handlers import install_error_handlers
+from worker.http.error_handlers import CrashBarrier, install_error_handlers
 from worker.http.guard import Guard
+from worker.http.request_body import body_schemas
+from worker.http.request_models import ChatCompletionRequest, CompletionRequest
 from worker.http.routers import chat, completions, health, memory, metrics, models
-from worker.http.settings import ServerSettings
+from worker.http.settings import ENGINE_STOP_GRACE, HTTP_SHUTDOWN_GRACE, ServerSettings
 from worker.http.state import EngineFactory, ServerState
 
 log = logging.getLogger(__name__)
@@ -31,11 +34,12 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
                   description="OpenAI-compatible completions with speculative decoding and a memory ledger.")
     app.state.server = state
     install_error_handlers(app)
-    name_the_model_in_the_schema(app, state.model_name)
+    document_the_bodies(app, state.model_name)
     for router in ROUTERS:
         app.include_router(router)
-    app.add_middleware(Guard, settings=state.settings)  # before routing and body parsing
-    app.add_middleware(DrainGate, drain=state.drain)  # outermost: counts every generation request
+    app.add_middleware(Guard, settings=state.settings, body_limit=state.body_limit)  # before any parsing
+    app.add_middleware(DrainGate, drain=state.drain)  # counts every generation request
+    app.add_middleware(CrashBarrier)  # outermost: whatever fails below still answers in the OpenAI shape
     return app
 
 
@@ -44,20 +48,23 @@ async def lifespan(app: FastAPI):
     state: ServerState = app.state.server
     state.engine_loop.start(asyncio.get_running_loop())
     yield
-    state.engine_loop.stop()
+    state.engine_loop.stop(ENGINE_STOP_GRACE)
     state.encoder.shutdown()
 
 
-def name_the_model_in_the_schema(app: FastAPI, model_name: str) -> None:
-    """The OpenAPI schema names the one model served, so generated clients (and fuzzers) reach generation."""
-    def openapi() -> dict:
+def document_the_bodies(app: FastAPI, model_name: str) -> None:
+    """The OpenAPI schema documents the request bodies the generation routes parse themselves
+    (request_body.py), naming the one model served, so generated clients (and fuzzers) reach generation."""
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
+            bodies = body_schemas(CompletionRequest, ChatCompletionRequest)
             for name in ("CompletionRequest", "ChatCompletionRequest"):
-                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
-        return app.openapi_schema
+                bodies[name]["properties"]["model"]["enum"] = [model_name]
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(bodies)
+        return app.openapi_schema or {}
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
 
 def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -65,7 +72,7 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     app = create_app(config, ServerSettings.from_args(args))
     state: ServerState = app.state.server
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                    timeout_graceful_shutdown=5)
+                                    timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE)
     server = DrainingServer(uvicorn_config, state.drain)  # SIGTERM drains first
     state.engine_loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
     log.info("serving %s on http://%s:%d (draft: %s)", state.model_name, args.host, args.port,

@@ -9,6 +9,12 @@ from dataclasses import dataclass
 API_KEY_ENV = "VRAMLEDGER_API_KEY"  # the key without putting it on the command line
 METRICS_ENV = "VRAMLEDGER_METRICS"  # "off": no request metrics and no /metrics (to measure their cost)
 METRICS_AUTH_ENV = "VRAMLEDGER_METRICS_AUTH"  # "1": /metrics needs the API key too
+# After SIGTERM the process exits at most this long (seconds) after the drain timeout: the aborted
+# requests' last chunks, the HTTP server's own shutdown, then the engine thread's last step.
+ABORT_GRACE = 5.0
+HTTP_SHUTDOWN_GRACE = 5
+ENGINE_STOP_GRACE = 5.0
+SHUTDOWN_MARGIN = ABORT_GRACE + HTTP_SHUTDOWN_GRACE + ENGINE_STOP_GRACE
 
 
 @dataclass

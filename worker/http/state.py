@@ -21,6 +21,7 @@ from worker.http.drain import Drain
 from worker.http.engine_loop import EngineLoop
 from worker.http.errors import APIError
 from worker.http.metrics import EngineCollector, RequestMetrics, WorkerInfo
+from worker.http.prompt_bounds import body_limit
 from worker.http.prompt_encoder import PromptEncoder
 from worker.http.settings import ServerSettings
 
@@ -52,7 +53,7 @@ class ServerState:
         # injected for this): /metrics shows this app's metrics only, and apps never collide.
         registry = CollectorRegistry()
         encoder = PromptEncoder()
-        load = functools.partial(load_engine, config, settings.max_waiting, encoder, engine_factory)
+        load = functools.partial(load_engine, config, settings, encoder, engine_factory)
         engine_loop = EngineLoop(load, RequestMetrics(registry) if settings.metrics else None)
         state = cls(config, settings, served_name(config, settings), package_version(), registry, encoder,
                     engine_loop, Drain(engine_loop, settings.drain_timeout))
@@ -82,6 +83,14 @@ class ServerState:
             raise APIError(404, f"the model {name!r} does not exist; this worker serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def body_limit(self) -> int:
+        """The most bytes a request body may have: what a request that fits the model can need, once
+        the engine and the tokenizer are loaded; the settings' cap before."""
+        engine = self.engine_loop.engine
+        if engine is None or self.encoder.tokenizer is None:
+            return self.settings.max_body_bytes
+        return body_limit(self.encoder.bound, engine.config.max_model_len, self.settings.max_body_bytes)
+
     def serving_engine(self) -> LLMEngine | None:
         """The engine the metrics read: None while it loads or after it failed."""
         return self.engine_loop.engine if self.engine_loop.ready else None
@@ -91,7 +100,7 @@ class ServerState:
         return None if engine is None else WorkerInfo.of(engine, self.model_name, self.version)
 
 
-def load_engine(config: EngineConfig, max_waiting: int, encoder: PromptEncoder,
+def load_engine(config: EngineConfig, settings: ServerSettings, encoder: PromptEncoder,
                 engine_factory: EngineFactory | None) -> LLMEngine:
     """On the engine thread: the server's tokenizer, then the engine (an LLMEngine unless a factory is
     given) with the requests the server may hold in flight in its ledger."""
@@ -101,7 +110,7 @@ def load_engine(config: EngineConfig, max_waiting: int, encoder: PromptEncoder,
     from worker.engine.llm_engine import LLMEngine
     from worker.http.request_state import requests_in_flight
 
-    return LLMEngine(config, functools.partial(requests_in_flight, config, max_waiting))
+    return LLMEngine(config, functools.partial(requests_in_flight, config, settings, encoder))
 
 
 def served_name(config: EngineConfig, settings: ServerSettings) -> str:

@@ -133,10 +133,8 @@ class CpuDevice(Device):
         pass
 
     def empty_cache(self) -> None:
-        # Freed small blocks stay in malloc's arenas and in RSS until trimmed.
         gc.collect()
-        if _libc is not None and hasattr(_libc, "malloc_trim"):
-            _libc.malloc_trim(0)
+        release_free_heap()
 
 
 def _cpu_model_name() -> str:
@@ -163,6 +161,13 @@ def _load_libc():
 
 
 _libc = _load_libc()
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim, every arena): freed small
+    blocks otherwise stay in malloc's arenas, and in RSS, until reused."""
+    if _libc is not None and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
 
 
 def fix_mmap_threshold(nbytes: int = CPU_MMAP_THRESHOLD) -> bool:

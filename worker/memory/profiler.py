@@ -166,12 +166,18 @@ def profile_window(device: Device) -> Iterator[WindowResult]:
             result.allocator_bytes = max(0, peak - first)
 
 
-def measure_held(device: Device, build: Callable[[], Any]) -> int:
-    """Bytes the process grows by while it holds what build() returns (dropped afterwards)."""
+def measure_held(device: Device, build: Callable[[], Any], peak: bool = False) -> int:
+    """Bytes the process grows by while it holds what build() returns (dropped afterwards); with
+    `peak`, the most it grew by while build() ran (a build whose work frees what it needed)."""
     device.empty_cache()
     before = device.process_bytes()
+    sampler = None
+    if peak and device.kind == "cpu" and not device.reset_peak():
+        sampler = PeakSampler(device).start()
     held = build()
     grown = device.process_bytes() - before
+    if peak and device.kind == "cpu":
+        grown = max(grown, (sampler.stop() if sampler else device.process_peak_bytes()) - before)
     del held
     device.empty_cache()
     return max(0, grown)

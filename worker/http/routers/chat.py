@@ -4,7 +4,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from worker.http.errors import ERRORS
-from worker.http.generation import admit, respond
+from worker.http.generation import admit, prepare, respond
+from worker.http.request_body import documented
 from worker.http.request_models import ChatCompletionRequest
 from worker.http.response_models import ChatCompletionResponse
 from worker.http.state import StateDep
@@ -12,10 +13,9 @@ from worker.http.state import StateDep
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
-async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep):
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS,
+             openapi_extra=documented(ChatCompletionRequest))
+async def chat_completions(request: Request, state: StateDep):
     """Answer a conversation through the model's chat template; streams like /v1/completions."""
-    state.engine_or_503()
-    state.check_model(body.model)
-    token_ids = await state.encoder.chat(body)
+    body, token_ids = await prepare(state, request, ChatCompletionRequest)
     return await respond(state.engine_loop, request, body, admit(state, body, token_ids, chat=True, param="messages"))

@@ -4,7 +4,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from worker.http.errors import ERRORS
-from worker.http.generation import admit, respond
+from worker.http.generation import admit, prepare, respond
+from worker.http.request_body import documented
 from worker.http.request_models import CompletionRequest
 from worker.http.response_models import CompletionResponse
 from worker.http.state import StateDep
@@ -12,10 +13,9 @@ from worker.http.state import StateDep
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
-async def completions(body: CompletionRequest, request: Request, state: StateDep):
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS,
+             openapi_extra=documented(CompletionRequest))
+async def completions(request: Request, state: StateDep):
     """Complete a prompt (text or token ids); `"stream": true` answers with server-sent events."""
-    state.engine_or_503()
-    state.check_model(body.model)
-    token_ids = await state.encoder.prompt(body.prompt)
+    body, token_ids = await prepare(state, request, CompletionRequest)
     return await respond(state.engine_loop, request, body, admit(state, body, token_ids, chat=False, param="prompt"))

@@ -1,0 +1,75 @@
+"""The prompt encoder: off the event loop on two lanes, so a long prompt delays only itself; the text
+the ledger tokenizes is the costliest; a long prompt's heap goes back once it is tokenized."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from worker.http.errors import APIError
+from worker.http.prompt_bounds import longest_text
+from worker.http.prompt_encoder import SHORT_CHARS, PromptEncoder
+from worker.memory.device import CpuDevice
+from worker.memory.profiler import measure_held
+
+SHIPPED = "worker/assets/tiny-coder-target"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    encoder = PromptEncoder()
+    encoder.load(SHIPPED)
+    yield encoder
+    encoder.shutdown()
+
+
+def test_a_long_prompt_delays_only_itself(encoder):
+    long = "def f(x):\n    return x + 1\n" * 40_000  # a million characters: a second or more to tokenize
+
+    async def race() -> list[str]:
+        finished = []
+
+        async def encode(name: str, text: str):
+            await encoder.prompt(text, max_model_len=10 ** 6)
+            finished.append(name)
+
+        first = asyncio.ensure_future(encode("long", long))
+        await asyncio.sleep(0.01)  # the long one is on its thread
+        await asyncio.gather(encode("short", "def g(y):"), encode("short", "x" * SHORT_CHARS), first)
+        return finished
+
+    assert asyncio.run(race()) == ["short", "short", "long"]
+
+
+def test_the_ledger_tokenizes_the_costliest_text_a_prompt_may_have(encoder):
+    """Of texts as long as the bound lets through, the ledger's (one token per byte) takes the most
+    memory to tokenize."""
+    device, max_model_len = CpuDevice(), 2048
+    units = encoder.bound.max_units(max_model_len)
+    rng = random.Random(0)
+    others = {"spaces": " " * units, "code": ("def f(x):\n    return x + 1\n" * units)[:units],
+              "letters": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(units)),
+              "cjk": "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(units // 3))}
+    text = longest_text(encoder.bound, max_model_len, 1 << 30)
+    costliest = measure_held(device, lambda: encoder._encode(text, False), peak=True)
+    for name, text in others.items():
+        encoder.bound.check(text, max_model_len, "prompt")  # each may be a prompt: it is tokenized
+        assert measure_held(device, lambda: encoder._encode(text, False), peak=True) <= costliest + MiB, name
+
+
+def test_a_prompt_refused_after_tokenizing_leaves_its_heap_behind_no_longer(encoder):
+    device, max_model_len = CpuDevice(), 2048
+    text = longest_text(encoder.bound, max_model_len, 1 << 30)  # passes the bound, too many tokens
+
+    async def refused():
+        with pytest.raises(APIError):
+            token_ids = await encoder.prompt(text, max_model_len)
+            assert len(token_ids) > max_model_len - 1
+            raise APIError(400, "too many tokens")  # what admission answers
+
+    before = device.process_bytes()
+    for _ in range(5):
+        asyncio.run(refused())
+    assert device.process_bytes() - before < 2 * MiB
