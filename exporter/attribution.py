@@ -99,20 +99,21 @@ def attribute(devices: Iterable[DeviceMemory], states: Mapping[str, EngineState]
 
 
 def _foreign_rows(dev: DeviceMemory, foreign: list[ProcessMemory], room: int) -> list[ProcessRow]:
-    known = sorted((p for p in foreign if p.bytes is not None), key=lambda p: (-p.bytes, p.pid))
-    rows = [ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, FOREIGN, "", p.measure, p.bytes)
-            for p in known[:room]]
+    known = sorted(((p, p.bytes) for p in foreign if p.bytes is not None), key=lambda ps: (-ps[1], ps[0].pid))
+    rows = [ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, FOREIGN, "", p.measure, size)
+            for p, size in known[:room]]
     if len(known) > room:  # bounded cardinality: the smallest are summed in one series
         rest = known[room:]
-        measures = ",".join(sorted({p.measure for p in rest}))
+        measures = ",".join(sorted({p.measure for p, _ in rest}))
         rows.append(ProcessRow(dev.device, dev.uuid, "other", "other", FOREIGN, "", measures,
-                               sum(p.bytes for p in rest)))
+                               sum(size for _, size in rest)))
     return rows
 
 
 def _sum(processes: Iterable[ProcessMemory]) -> int | None:
     sizes = [p.bytes for p in processes]
-    return None if None in sizes else sum(sizes)
+    known = [size for size in sizes if size is not None]
+    return sum(known) if len(known) == len(sizes) else None
 
 
 def _minus(used: int, seen: int | None) -> int | None:

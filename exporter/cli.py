@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from exporter.collector import ExporterCollector
 from exporter.discovery import DiscoveredEngines
-from exporter.engines import Engines, base_url, parse_vllm_arg
+from exporter.engines import Engines, EngineSet, base_url, parse_vllm_arg
 from exporter.errors import ErrorLog
 from exporter.kubernetes import PodDirectory
 from exporter.sources import SourceUnavailable, open_source
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             engines.close()
             source.close()
             return 1
-        engines = DiscoveredEngines(pods, engines, args.worker_timeout, errors)
+    watched: EngineSet = engines if pods is None else DiscoveredEngines(pods, engines, args.worker_timeout, errors)
     registry = CollectorRegistry()
-    registry.register(ExporterCollector(source, engines, errors, max_processes=args.max_processes, pods=pods))
+    registry.register(ExporterCollector(source, watched, errors, max_processes=args.max_processes, pods=pods))
     # Startup objects (imports, clients) never die: freezing them keeps full collections, and so
     # scrape latency spikes, small.
     gc.freeze()
@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # in use, or an address this host does not have
         print(f"exporter: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
               "(another exporter there? choose another --port)", file=sys.stderr)
-        engines.close()
+        watched.close()
         source.close()
         return 2
     host, port = server.server_address[:2]
-    if not engines.urls and pods is None:
+    if not watched.urls and pods is None:
         log.warning("no --worker or --vllm given: serving device metrics only")
     log.info("%s reader, %d worker(s), %d vLLM server(s); listening on http://%s:%d/metrics",
              source.name, len(args.worker), len(args.vllm), host, port)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.shutdown()
-    engines.close()
+    watched.close()
     source.close()
     return 0
 

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from exporter.attribution import Attribution, attribute
-from exporter.engines import Engines, EngineState, Reading, Status
+from exporter.engines import EngineSet, EngineState, Reading, Status
 from exporter.engines.ranks import RankLedger
 from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
 from exporter.errors import ErrorLog
@@ -74,7 +74,7 @@ COLLECT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0
 class ExporterCollector(Collector):
     """Builds every exporter metric fresh on each scrape, so exited processes leave no series."""
 
-    def __init__(self, source: Source, engines: Engines, errors: ErrorLog, *, max_processes: int = 32,
+    def __init__(self, source: Source, engines: EngineSet, errors: ErrorLog, *, max_processes: int = 32,
                  pods: PodDirectory | None = None):
         self._source = source
         self._engines = engines

@@ -55,7 +55,8 @@ class EngineState:
         if self.ranks:
             return sum(r.declared_bytes for r in self.ranks)
         shares = [self.declared_on(dev) for dev in used]
-        return None if not shares or None in shares else sum(shares)
+        known = [share for share in shares if share is not None]
+        return sum(known) if known and len(known) == len(shares) else None
 
 
 class Status(str, Enum):

@@ -31,14 +31,15 @@ def parse_ranks(url: str, doc: object) -> tuple[RankLedger, ...]:
 
 def _rank(url: str, doc: object) -> RankLedger:
     ledger = parse_ledger(url, doc)  # each rank is a ledger of docs/ledger.md
+    assert isinstance(doc, dict)  # parse_ledger has checked it
     rank, entries = doc.get("rank"), doc.get("entries")
     if not is_int(rank) or rank < 0:
         raise LedgerError(f"bad rank {rank!r}")
     if not isinstance(entries, list):
         raise LedgerError(f"rank {rank}: no list of entries")
     uuid = doc["device"].get("uuid")
-    budget = doc.get("budget") if isinstance(doc.get("budget"), dict) else {}
-    size = budget.get("bytes")
+    budget = doc.get("budget")
+    size = budget.get("bytes") if isinstance(budget, dict) else None
     return RankLedger(rank, ledger.device_kind, uuid if isinstance(uuid, str) and uuid else None,
                       ledger.declared_bytes, tuple(_entry(rank, e) for e in entries),
                       size if is_int(size) and size >= 0 else None, _foreign_charged(doc.get("profile")))

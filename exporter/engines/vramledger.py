@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -53,8 +54,8 @@ def parse_ledger(url: str, doc: object) -> WorkerLedger:
         raise LedgerError(f"bad declared_bytes {declared!r}")
     if kind not in ("cuda", "cpu"):
         raise LedgerError(f"bad device.kind {kind!r}")
-    models = doc.get("models") if isinstance(doc.get("models"), dict) else {}
-    target = models.get("target")
+    models = doc.get("models")
+    target = models.get("target") if isinstance(models, dict) else None
     return WorkerLedger(url, pid, host_pid, container_id or None, kind, declared,
                         target if isinstance(target, str) else "", _kv_usage(doc.get("kv_cache")))
 
@@ -68,7 +69,7 @@ def _kv_usage(kv: object) -> float | None:
     return used / total
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

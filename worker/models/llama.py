@@ -209,6 +209,8 @@ class Decoder(nn.Module):
 class CausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoints, so state dicts load as they are."""
 
+    fused_forward: DecoderForward | None  # decode steps in one C call (pack_linears sets it)
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -221,7 +223,7 @@ class CausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = RotaryEmbedding(config, self.head_dim)
-        self.fused_forward: DecoderForward | None = None  # decode steps in one C call (pack_linears sets it)
+        self.fused_forward = None
 
     def fuse_projections(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint-shaped q/k/v and gate/up become fused matmuls.
