@@ -215,6 +215,15 @@ def test_substituted_queries_parse_with_promtool(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_the_node_label_is_set_wherever_the_exporter_is_scraped():
+    config = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "vramledger-exporter"]
+    assert [r["target_label"] for r in job["relabel_configs"]] == ["node"]
+    monitors = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "base" / "monitors.yaml").read_text())
+    [monitor] = [m for m in monitors if m["metadata"]["name"] == "vramledger-exporter"]
+    assert [r["targetLabel"] for e in monitor["spec"]["endpoints"] for r in e["relabelings"]] == ["node"]
+
+
 # ---------------------------------------------------------------- provisioning
 def _provisioning(kind: str) -> list[dict]:
     files = sorted((PROVISIONING / kind).glob("*.yml")) + sorted((PROVISIONING / kind).glob("*.yaml"))
