@@ -152,7 +152,7 @@ def _absolute(url: str) -> bool:
 def test_runbook_urls_are_absolute_and_name_a_runbook():
     base = yaml.safe_load((PROM / "prometheus.yml").read_text())["global"]["external_labels"]["runbook_base_url"]
     assert _absolute(base), f"prometheus.yml: runbook_base_url {base!r} is not an absolute URL"
-    # As promtool renders them (tests/test_rules runs those tests): every expected link absolute, one base.
+    # As promtool renders them in prometheus/tests (test_promtool_unit_tests_pass): absolute, one per alert.
     rendered: dict[str, set[str]] = {}
     for path in TEST_FILES:
         for test in yaml.safe_load(path.read_text()).get("tests", []):

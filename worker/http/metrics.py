@@ -107,7 +107,7 @@ class EngineCollector(Collector):
                     "block of an earlier prompt for requests that start alike (evicted least recently used "
                     "first when fresh blocks run out).", cached)
         yield gauge("vramledger_kv_cache_blocks_free",
-                    "KV cache blocks holding nothing (total - used - cached).", total - used - cached)
+                    "KV cache blocks holding nothing (blocks - used - cached).", total - used - cached)
         yield gauge("vramledger_kv_cache_usage_ratio", "Share of the KV cache blocks in use.",
                     used / total if total else 0.0)
 
