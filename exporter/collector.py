@@ -51,11 +51,11 @@ GAUGES = {
     "vramledger_worker_unaccounted_memory_bytes": (
         "max(0, observed - declared) on a device: memory the worker holds but does not declare.",
         ("worker", "device")),
-    "vramledger_memory_bytes": (
+    "vramledger_worker_memory_bytes": (
         ("Memory a vLLM rank's ledger declares, per component and model, from the vLLM plugin's "
          "/vramledger/memory (a vramledger worker serves its own ledger on its /metrics)."),
         RANK + ("component", "model")),
-    "vramledger_memory_budget_bytes": (
+    "vramledger_worker_memory_budget_bytes": (
         "The budget a vLLM rank sized its KV cache against (none when it was given a KV cache size).", RANK),
     "vramledger_worker_weights_outside_budget_bytes": (
         ("Memory a model's weights hold outside the budget its vLLM rank sized against (0 when inside): a "
@@ -137,9 +137,9 @@ class ExporterCollector(Collector):
     def _add_rank(gauges: dict[str, GaugeMetricFamily], url: str, rank: RankLedger) -> None:
         labels = [url, str(rank.rank)]
         for (component, model), size in rank.components().items():
-            gauges["vramledger_memory_bytes"].add_metric(labels + [component, model], size)
+            gauges["vramledger_worker_memory_bytes"].add_metric(labels + [component, model], size)
         if rank.budget_bytes is not None:
-            gauges["vramledger_memory_budget_bytes"].add_metric(labels, rank.budget_bytes)
+            gauges["vramledger_worker_memory_budget_bytes"].add_metric(labels, rank.budget_bytes)
         for model, size in rank.weights_outside_budget().items():
             gauges["vramledger_worker_weights_outside_budget_bytes"].add_metric(labels + [model], size)
         if rank.foreign_charged_bytes is not None:

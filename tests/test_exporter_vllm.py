@@ -73,7 +73,7 @@ def test_garbage_or_another_server_is_no_vllm_text():
     with pytest.raises(ValueError):
         parse_metrics("vllm:kv_cache_usage_perc{engine=0 oops\n")
     with pytest.raises(ValueError, match="not a vLLM server"):  # e.g. --vllm pointed at our worker
-        parse_metrics('vramledger_kv_cache_usage_ratio 0.5\nvramledger_worker_info{version="0.1.0"} 1.0\n')
+        parse_metrics('vramledger_kv_cache_usage_ratio 0.5\nvramledger_serving_info{version="0.1.0"} 1.0\n')
 
 
 # --- the process tree of a server, found by its port ------------------------------------------

@@ -97,7 +97,7 @@ def test_a_cpu_vllm_with_the_plugin_declares_its_ledger_on_the_host(spawn, tmp_p
     samples = scrape(port)
     entries = load(CPU_LEDGER)["ranks"][0]["entries"]
     published = {(s.labels["component"], s.labels["model"]): s.value
-                 for s in find(samples, "vramledger_memory_bytes", worker=url, rank="0")}
+                 for s in find(samples, "vramledger_worker_memory_bytes", worker=url, rank="0")}
     assert published == {(e["component"], e["model"]): e["bytes"] for e in entries}
     # Without the plugin nothing is declared here (vLLM was given its KV cache size): now its ledger is.
     declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
@@ -105,7 +105,7 @@ def test_a_cpu_vllm_with_the_plugin_declares_its_ledger_on_the_host(spawn, tmp_p
     observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
     assert one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host") == max(
         0, observed - declared)
-    for name in ("vramledger_memory_budget_bytes", "vramledger_worker_weights_outside_budget_bytes",
+    for name in ("vramledger_worker_memory_budget_bytes", "vramledger_worker_weights_outside_budget_bytes",
                  "vramledger_worker_foreign_charged_bytes"):
         assert find(samples, name) == []  # no budget, no profile run: nothing to warn about
     assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0
@@ -139,8 +139,8 @@ def test_cuda_ranks_declare_on_their_gpu_and_warn(monkeypatch, spawn, tmp_path):
             m("worker_declared_memory_bytes", declared, worker=url),
             m("worker_observed_memory_bytes", held, worker=url, device="0"),
             m("worker_unaccounted_memory_bytes", held - declared, worker=url, device="0"),
-            m("memory_budget_bytes", 2 * GiB, worker=url, rank="0")]
-            + [m("memory_bytes", e["bytes"], worker=url, rank="0", component=e["component"], model=e["model"])
+            m("worker_memory_budget_bytes", 2 * GiB, worker=url, rank="0")]
+            + [m("worker_memory_bytes", e["bytes"], worker=url, rank="0", component=e["component"], model=e["model"])
                for e in rank["entries"]])
     expected.update([m("worker_weights_outside_budget_bytes", 0, worker=url_a, rank="0", model="target"),
                      m("worker_weights_outside_budget_bytes", 0, worker=url_a, rank="0", model="draft"),

@@ -127,6 +127,9 @@ def test_dashboards_and_rules_evaluate_with_data(stack):
                     and a["state"] == "firing"]
         firing = wait_for(foreign_alert, 60, "VramledgerForeignMemoryOnDevice to fire")
         assert firing[0]["labels"]["device"] == "host"
+        base = yaml.safe_load((RULES_DIR.parent / "prometheus.yml").read_text())["global"]["external_labels"]
+        assert firing[0]["annotations"]["runbook_url"] == (base["runbook_base_url"]
+                                                           + "/VramledgerForeignMemoryOnDevice.md")
     finally:
         mem_hog.stop(hog)
     # With the foreign process gone, the alert resolves.

@@ -160,7 +160,7 @@ def test_the_exporter_publishes_the_ledger_and_declares_it(with_plugin, spawn, t
                              "--worker-timeout", "10")
     samples = scrape(port)
     published = {(s.labels["component"], s.labels["model"]): s.value
-                 for s in find(samples, "vramledger_memory_bytes", worker=url, rank="0")}
+                 for s in find(samples, "vramledger_worker_memory_bytes", worker=url, rank="0")}
     assert published == {(e["component"], e["model"]): e["bytes"] for e in rank["entries"]}
     # Given its KV cache size, vLLM's CPU build has no budget; its ledger is what it declares.
     declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
@@ -168,7 +168,7 @@ def test_the_exporter_publishes_the_ledger_and_declares_it(with_plugin, spawn, t
     observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
     assert one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host") == max(
         0, observed - declared)
-    for name in ("vramledger_memory_budget_bytes", "vramledger_worker_weights_outside_budget_bytes",
+    for name in ("vramledger_worker_memory_budget_bytes", "vramledger_worker_weights_outside_budget_bytes",
                  "vramledger_worker_foreign_charged_bytes"):
         assert find(samples, name) == []
     assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0

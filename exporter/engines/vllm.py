@@ -145,7 +145,7 @@ class VllmEngine:
         try:
             return parse_metrics(text)
         except ValueError as e:
-            if b"vramledger_worker_info" in text:
+            if b"vramledger_serving_info" in text:
                 raise Wrong(f"{self.url} is a vramledger worker, not a vLLM server: watch it with --worker "
                             f"{self.url} (in a cluster: pod label vramledger.io/engine: vramledger)",
                             wrong_kind=True) from None

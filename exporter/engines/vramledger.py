@@ -129,7 +129,7 @@ class VramledgerEngine:
                      "(in a cluster: pod label vramledger.io/engine: vllm)", wrong_kind=True)
 
     def _version(self, pid: int) -> str:
-        # The ledger carries no version; the worker's own vramledger_worker_info does. A worker's
+        # The ledger carries no version; the worker's own vramledger_serving_info does. A worker's
         # version changes only with its process, so it is read once per pid.
         if pid not in self._versions:
             try:
@@ -143,7 +143,7 @@ class VramledgerEngine:
 
 def _info_version(text: str) -> str:
     for family in text_string_to_metric_families(text):
-        if family.name == "vramledger_worker_info":
+        if family.name == "vramledger_serving_info":
             for sample in family.samples:
                 return sample.labels.get("version", "")
     return ""
