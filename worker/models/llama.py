@@ -253,7 +253,7 @@ class CausalLM(nn.Module):
 
         A tied head gets a packed copy and the embedding stays plain (it is indexed): the copy
         costs vocab x hidden more bytes (in the ledger's weights); decoding with the shipped
-        pair got 1.10-1.16x faster (README, Benchmarks), least in plain batch-1 steps.
+        pair got 1.10-1.16x faster (docs/benchmarks.md), least in plain batch-1 steps.
         """
         for module, name, _ in self.projections():
             weight = getattr(module, name)
