@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps run test bench vllm-venv
+.PHONY: setup system-deps run test lint bench vllm-venv
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,9 +22,14 @@ run: setup system-deps
 	$(PY) scripts/local_stack.py
 
 # The tests that run a real vLLM need its venv; when it cannot be built they are skipped and say why.
-test: setup system-deps
+test: setup system-deps lint
 	-$(MAKE) --no-print-directory vllm-venv
 	$(PY) -m pytest -q tests
+
+# The rules and the type checker's settings live in pyproject.toml.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # vLLM's CPU build in a venv of its own (VLLM_VENV, default .venv-vllm): the peer in bench/ and the
 # vLLM end-to-end tests, which run when it exists and are skipped, saying why, when it does not.

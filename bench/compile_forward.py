@@ -1,4 +1,4 @@
-"""torch.compile of the target's forward against the eager forward that serving runs (issue 14).
+"""torch.compile of the target's forward against the eager forward that serving runs.
 
     python bench/compile_forward.py [--calls 60] [--shapes 1x1,16x1,16x5,4x5]
 

@@ -1,4 +1,4 @@
-"""The CPU's float32 matmuls: F.linear, oneDNN-packed and blocked weights, in speed and in memory (issue 14).
+"""The CPU's float32 matmuls: F.linear, oneDNN-packed and blocked weights, in speed and in memory.
 
     python bench/packed_linear.py [--rows 1,5,16,80] [--repeats 7] [--shapes 64] [--threads 1]
 

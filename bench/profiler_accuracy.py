@@ -9,7 +9,7 @@ Each run is a fresh process; --runs N prints min / median / max.
 Targets: measured peak <= budget in every run; median KV cache share of
 (budget - measured non-KV peak) >= 0.95.
   python bench/profiler_accuracy.py [--runs 20] [--max-model-len 512] [--max-num-seqs 8] [engine flags]
-  python bench/profiler_accuracy.py --goals [--jobs 2]   # issue 10's two goals, in one command
+  python bench/profiler_accuracy.py --goals [--jobs 2]   # the two accuracy goals, in one command
   python bench/profiler_accuracy.py --http [--runs 5] [--requests 32] [--kv-cache-memory 16MiB] [engine flags]
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from worker.cli import add_engine_flags, add_waiting_flag, engine_config
 
 MiB = 1 << 20
 KV_SHARE_TARGET = 0.95
-# Issue 10's goals: 20 engine runs, 0 overruns and median KV share >= 0.95; 5 HTTP runs to full KV, 0 overruns.
+# The accuracy goals: 20 engine runs, 0 overruns and median KV share >= 0.95; 5 HTTP runs to full KV, 0 overruns.
 GOAL_ENGINE = ("--runs", "20", "--max-model-len", "2048", "--max-num-seqs", "16")
 GOAL_HTTP = ("--http", "--runs", "5", "--max-model-len", "256", "--max-num-seqs", "16", "--kv-cache-memory", "20MiB")
 
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_waiting_flag(ap)
     ap.set_defaults(max_waiting=None)  # HTTP mode: every request may wait (none refused)
     ap.add_argument("--goals", action="store_true",
-                    help="issue 10's goals in one command: engine mode, " + " ".join(GOAL_ENGINE)
+                    help="the accuracy goals in one command: engine mode, " + " ".join(GOAL_ENGINE)
                          + "; then HTTP mode, " + " ".join(GOAL_HTTP) + " (other flags pass through)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one run, JSON out
     return ap
@@ -216,7 +216,7 @@ def main() -> None:
         return
     if not args.goals:
         sys.exit(0 if run_mode(args, sys.argv[1:]) else 1)
-    # The engine goal where the KV cache is most of the budget (the issue's size); the HTTP goal
+    # The engine goal where the KV cache is most of the budget (2048 tokens x 16 sequences); the HTTP goal
     # with a KV cache far smaller than the load, so that requests are preempted.
     given = [a for a in sys.argv[1:] if a != "--goals"]
     verdicts = {}

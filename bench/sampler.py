@@ -1,4 +1,4 @@
-"""The sampler's draw: one inverse-CDF draw per row against the exponential race (issue 14), and a
+"""The sampler's draw: one inverse-CDF draw per row against the exponential race it replaced, and a
 plain step's sampling from logits: torch's ops against draw_tokens.c.
 
     python bench/sampler.py [--rows 1,16,80] [--vocab 2048]

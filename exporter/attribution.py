@@ -92,35 +92,28 @@ def attribute(devices: Iterable[DeviceMemory], states: Mapping[str, EngineState]
         out.devices.append(DeviceRow(dev.device, dev.uuid, _sum(foreign),
                                      _minus(dev.used, _sum(dev.processes))))
     for url, state in states.items():
-        total = _declared_total(state, used_on.get(url, []))
+        total = state.declared_total(used_on.get(url, []))
         if total is not None:
             out.declared[url] = total
     return out
 
 
-def _declared_total(state: EngineState, used: list[DeviceMemory]) -> int | None:
-    """A fixed declaration as it is; a per-device budget summed over the devices the engine uses."""
-    if state.declared_bytes is not None:
-        return state.declared_bytes
-    shares = [state.declared_on(dev) for dev in used]
-    return None if not shares or None in shares else sum(shares)
-
-
 def _foreign_rows(dev: DeviceMemory, foreign: list[ProcessMemory], room: int) -> list[ProcessRow]:
-    known = sorted((p for p in foreign if p.bytes is not None), key=lambda p: (-p.bytes, p.pid))
-    rows = [ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, FOREIGN, "", p.measure, p.bytes)
-            for p in known[:room]]
+    known = sorted(((p, p.bytes) for p in foreign if p.bytes is not None), key=lambda ps: (-ps[1], ps[0].pid))
+    rows = [ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, FOREIGN, "", p.measure, size)
+            for p, size in known[:room]]
     if len(known) > room:  # bounded cardinality: the smallest are summed in one series
         rest = known[room:]
-        measures = ",".join(sorted({p.measure for p in rest}))
+        measures = ",".join(sorted({p.measure for p, _ in rest}))
         rows.append(ProcessRow(dev.device, dev.uuid, "other", "other", FOREIGN, "", measures,
-                               sum(p.bytes for p in rest)))
+                               sum(size for _, size in rest)))
     return rows
 
 
 def _sum(processes: Iterable[ProcessMemory]) -> int | None:
     sizes = [p.bytes for p in processes]
-    return None if None in sizes else sum(sizes)
+    known = [size for size in sizes if size is not None]
+    return sum(known) if len(known) == len(sizes) else None
 
 
 def _minus(used: int, seen: int | None) -> int | None:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from exporter.collector import ExporterCollector
 from exporter.discovery import DiscoveredEngines
-from exporter.engines import Engines, base_url, parse_vllm_arg
+from exporter.engines import Engines, EngineSet, base_url, parse_vllm_arg
 from exporter.errors import ErrorLog
 from exporter.kubernetes import PodDirectory
 from exporter.sources import SourceUnavailable, open_source
@@ -52,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base URL of a vramledger worker, its GET /v1/memory read each scrape (repeatable; "
                         "an OpenAI base URL ending in /v1 means its server)")
     p.add_argument("--vllm", action="append", default=[], metavar="URL[=PID]", type=_vllm,
-                   help="base URL of a vLLM server whose /metrics is read each scrape (repeatable; an "
-                        "OpenAI base URL ending in /v1 means its server); its processes are found by the "
-                        "port it listens on, or from PID (its API server) when the exporter cannot see "
-                        "that socket (another network namespace)")
+                   help="base URL of a vLLM server whose /metrics is read each scrape, and its ledger "
+                        "(/vramledger/memory, with the vramledger vLLM plugin) once per server run "
+                        "(repeatable; an OpenAI base URL ending in /v1 means its server); its processes are "
+                        "found by the port it listens on, or from PID (its API server) when the exporter "
+                        "cannot see that socket (another network namespace)")
     p.add_argument("--kubernetes", action="store_true",
                    help="in a cluster: also watch the engines of this node (NODE_NAME) that the API "
                         "lists, by the pod label vramledger.io/engine (vramledger or vllm), and name each "
@@ -111,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             engines.close()
             source.close()
             return 1
-        engines = DiscoveredEngines(pods, engines, args.worker_timeout, errors)
+    watched: EngineSet = engines if pods is None else DiscoveredEngines(pods, engines, args.worker_timeout, errors)
     registry = CollectorRegistry()
-    registry.register(ExporterCollector(source, engines, errors, max_processes=args.max_processes, pods=pods))
+    registry.register(ExporterCollector(source, watched, errors, max_processes=args.max_processes, pods=pods))
     # Startup objects (imports, clients) never die: freezing them keeps full collections, and so
     # scrape latency spikes, small.
     gc.freeze()
@@ -122,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # in use, or an address this host does not have
         print(f"exporter: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
               "(another exporter there? choose another --port)", file=sys.stderr)
-        engines.close()
+        watched.close()
         source.close()
         return 2
     host, port = server.server_address[:2]
-    if not engines.urls and pods is None:
+    if not watched.urls and pods is None:
         log.warning("no --worker or --vllm given: serving device metrics only")
     log.info("%s reader, %d worker(s), %d vLLM server(s); listening on http://%s:%d/metrics",
              source.name, len(args.worker), len(args.vllm), host, port)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.shutdown()
-    engines.close()
+    watched.close()
     source.close()
     return 0
 

@@ -10,7 +10,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from exporter.attribution import Attribution, attribute
-from exporter.engines import Engines, EngineState, Reading, Status
+from exporter.engines import EngineSet, EngineState, Reading, Status
+from exporter.engines.ranks import RankLedger
 from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
 from exporter.errors import ErrorLog
 from exporter.kubernetes import NO_POD, PodDirectory
@@ -18,6 +19,7 @@ from exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
 from exporter.sources import DeviceMemory, Source
 
 DEVICE = ("device", "uuid")
+RANK = ("worker", "rank")  # a vLLM rank's ledger (the vLLM plugin); our worker serves its own, without these
 # name -> (help, labels); every gauge the exporter serves.
 GAUGES = {
     "vramledger_device_memory_total_bytes": ("Total memory of the device.", DEVICE),
@@ -42,13 +44,26 @@ GAUGES = {
                                ("worker", "engine", "version", "model")),
     "vramledger_worker_kv_cache_usage_ratio": ("Fraction of the worker's KV cache in use.", ("worker",)),
     "vramledger_worker_declared_memory_bytes": (
-        ("Memory the worker declares: its ledger's declared_bytes; for vLLM gpu_memory_utilization x the "
-         "total of each device it uses, summed."), ("worker",)),
+        ("Memory the worker declares: its ledger's declared_bytes; for vLLM its ranks' ledgers (the vLLM "
+         "plugin), else gpu_memory_utilization x the total of each device it uses, summed."), ("worker",)),
     "vramledger_worker_observed_memory_bytes": ("Memory the device observes for the worker's processes.",
                                                 ("worker", "device")),
     "vramledger_worker_unaccounted_memory_bytes": (
         "max(0, observed - declared) on a device: memory the worker holds but does not declare.",
         ("worker", "device")),
+    "vramledger_worker_memory_bytes": (
+        ("Memory a vLLM rank's ledger declares, per component and model, from the vLLM plugin's "
+         "/vramledger/memory (a vramledger worker serves its own ledger on its /metrics)."),
+        RANK + ("component", "model")),
+    "vramledger_worker_memory_budget_bytes": (
+        "The budget a vLLM rank sized its KV cache against (none when it was given a KV cache size).", RANK),
+    "vramledger_worker_weights_outside_budget_bytes": (
+        ("Memory a model's weights hold outside the budget its vLLM rank sized against (0 when inside): a "
+         "draft model loaded after the memory profile, so the KV cache took its share."), RANK + ("model",)),
+    "vramledger_worker_foreign_charged_bytes": (
+        ("Other processes' memory a vLLM rank charged to itself at start-up: the non-torch increase of its "
+         "memory profile, read from the device's free memory, above its own process's non-torch growth."),
+        RANK),
 }
 PROCESS = "vramledger_device_process_memory_bytes"
 POD_LABELS = ("namespace", "pod", "container")  # --kubernetes only; empty for a process in no pod
@@ -59,7 +74,7 @@ COLLECT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1.0, 2.5, 5.0
 class ExporterCollector(Collector):
     """Builds every exporter metric fresh on each scrape, so exited processes leave no series."""
 
-    def __init__(self, source: Source, engines: Engines, errors: ErrorLog, *, max_processes: int = 32,
+    def __init__(self, source: Source, engines: EngineSet, errors: ErrorLog, *, max_processes: int = 32,
                  pods: PodDirectory | None = None):
         self._source = source
         self._engines = engines
@@ -114,7 +129,21 @@ class ExporterCollector(Collector):
                 gauges["vramledger_worker_kv_cache_usage_ratio"].add_metric([url], state.kv_usage)
             if url in joined.declared:
                 gauges["vramledger_worker_declared_memory_bytes"].add_metric([url], joined.declared[url])
+            for rank in state.ranks:
+                self._add_rank(gauges, url, rank)
         return list(gauges.values())
+
+    @staticmethod
+    def _add_rank(gauges: dict[str, GaugeMetricFamily], url: str, rank: RankLedger) -> None:
+        labels = [url, str(rank.rank)]
+        for (component, model), size in rank.components().items():
+            gauges["vramledger_worker_memory_bytes"].add_metric(labels + [component, model], size)
+        if rank.budget_bytes is not None:
+            gauges["vramledger_worker_memory_budget_bytes"].add_metric(labels, rank.budget_bytes)
+        for model, size in rank.weights_outside_budget().items():
+            gauges["vramledger_worker_weights_outside_budget_bytes"].add_metric(labels + [model], size)
+        if rank.foreign_charged_bytes is not None:
+            gauges["vramledger_worker_foreign_charged_bytes"].add_metric(labels, rank.foreign_charged_bytes)
 
     def _guard(self, source: str, read, fallback):
         # One failing source must not take the others' series down with it.

@@ -51,7 +51,7 @@ def local_addresses() -> set[str]:
 
 def _resolve(host: str) -> set[str]:
     try:
-        return {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except socket.gaierror as e:
         raise NotFound(f"cannot resolve {host!r}: {e}") from e
 
@@ -181,7 +181,7 @@ class HostPidResolver:
         # The deepest namespace wins: a process that only shares the container's cgroup and happens to
         # carry the same pid in the exporter's own namespace is not the worker.
         depths = {p: self._depth(p, *key) for p in self._pids()}
-        found = max((p for p, depth in depths.items() if depth), key=depths.get, default=None)
+        found = max((p for p, depth in depths.items() if depth), key=lambda p: depths[p], default=None)
         if found is None:
             self._cache.pop(key, None)
         else:

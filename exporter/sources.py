@@ -185,7 +185,8 @@ class HostSource:
         pss = self._sizes.sizes(found)
         processes = []
         for pid, (start, rss) in found.items():
-            size, measure = (rss, "rss") if pss[pid] is None else (pss[pid], "pss")
+            proportional = pss[pid]
+            size, measure = (rss, "rss") if proportional is None else (proportional, "pss")
             if size >= self._min_process_bytes or pid in keep_pids:
                 processes.append(ProcessMemory(pid, self._name(pid, start), size, measure))
         self._names = {p.pid: self._names[p.pid] for p in processes}

@@ -1,13 +1,18 @@
-"""vLLM's CPU build as a peer process: where its venv is, and how to start its OpenAI server.
+"""vLLM's CPU build as a peer process: where its venv is, whether this checkout's vLLM plugin is
+installed in it, and how to start its OpenAI server.
 
-Used by bench/ and by the tests that need a real vLLM (skipped when no venv exists;
-`make vllm-venv` builds one).
+Used by bench/, scripts/vllm_venv.sh and the tests that need a real vLLM (skipped when no venv
+exists; `make vllm-venv` builds one).
+
+    python3 scripts/vllm_peer.py plugin-installed VENV   # exit 0 when VENV has this checkout's plugin
 """
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,6 +23,44 @@ def vllm_python() -> Path | None:
     """The vLLM venv's interpreter: $VLLM_VENV, else .venv-vllm in the repository; None if absent or half-built."""
     venv = Path(os.environ.get("VLLM_VENV") or ROOT / ".venv-vllm")
     return venv / "bin" / "python" if (venv / ".ready").exists() else None
+
+
+# What the venv's interpreter finds, isolated (-I: no PYTHONPATH, no current directory) from wherever it runs.
+_INSTALLED = """
+import importlib.metadata as md, importlib.util, json
+spec = importlib.util.find_spec("vramledger")
+groups = ("vllm.general_plugins", "vllm.endpoint_plugins")
+print(json.dumps({"package": list(spec.submodule_search_locations) if spec else [],
+                  "entry_points": {g: {e.name: e.value for e in md.entry_points(group=g)} for g in groups}}))
+"""
+
+
+def plugin_installed(python: Path) -> bool:
+    """Whether vLLM's venv holds this checkout's plugin: the same vramledger package, file for file,
+    and the same vLLM entry points (an install from another checkout, or an older one, is not)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the entry points cannot be compared, so the install is not trusted
+        return False
+    with tempfile.TemporaryDirectory() as away:
+        out = subprocess.run([str(python), "-I", "-c", _INSTALLED], capture_output=True, text=True, cwd=away,
+                             timeout=120)
+    if out.returncode != 0:
+        return False
+    found = json.loads(out.stdout)
+    wanted = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    ours = {(group, name): value for group, points in wanted.items() if group.startswith("vllm.")
+            for name, value in points.items()}
+    if any(found["entry_points"].get(group, {}).get(name) != value for (group, name), value in ours.items()):
+        return False
+    if len(found["package"]) != 1:
+        return False
+    installed, ours = Path(found["package"][0]), ROOT / "vramledger"
+    if installed.resolve() == ours.resolve():
+        return False  # the checkout itself (an editable install): not what users install
+    files = {p.relative_to(ours) for p in ours.rglob("*.py")}
+    return files == {p.relative_to(installed) for p in installed.rglob("*.py")} and all(
+        (installed / f).read_bytes() == (ours / f).read_bytes() for f in files)
 
 
 def vllm_command(model: str | Path, port: int, draft: str | Path | None = None, k: int = 4,
@@ -45,3 +88,9 @@ def start_vllm(model: str | Path, port: int, log: Path, kv_cache_gib: int = 1, e
            if v is not None}
     return subprocess.Popen(vllm_command(model, port, **kwargs), env=env, cwd=cwd, start_new_session=True,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "plugin-installed":
+        sys.exit(f"usage: {sys.argv[0]} plugin-installed VENV")
+    sys.exit(0 if plugin_installed(Path(sys.argv[2]) / "bin" / "python") else 1)

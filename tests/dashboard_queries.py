@@ -1,4 +1,4 @@
-"""The metric catalogue and every PromQL expression of the dashboards, for tests.
+"""The metric catalogue's names and every PromQL expression of the dashboards, for tests.
 
 `dashboard_queries()` returns each panel query with its template variables replaced
 (each query variable by its "All" regex, `.+` or `.*`; $__rate_interval etc. by fixed
@@ -12,64 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from metric_catalogue import catalogue
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = {"memory-ledger": ROOT / "dashboards" / "memory-ledger.json",
               "serving": ROOT / "dashboards" / "serving.json"}
 RULES_DIR = ROOT / "prometheus" / "rules"
-
-# name -> type, exactly as the worker publishes them (job "vramledger-worker").
-WORKER_METRICS = {
-    "vramledger_memory_bytes": "gauge",  # {component, model}
-    "vramledger_memory_budget_bytes": "gauge",
-    "vramledger_device_memory_total_bytes": "gauge",
-    "vramledger_foreign_memory_at_start_bytes": "gauge",
-    "vramledger_process_memory_bytes": "gauge",
-    "vramledger_unaccounted_memory_bytes": "gauge",
-    "vramledger_kv_cache_blocks_total": "gauge",
-    "vramledger_kv_cache_blocks_used": "gauge",
-    "vramledger_kv_cache_blocks_cached": "gauge",
-    "vramledger_kv_cache_blocks_free": "gauge",
-    "vramledger_kv_cache_usage_ratio": "gauge",
-    "vramledger_requests_running": "gauge",
-    "vramledger_requests_waiting": "gauge",
-    "vramledger_preemptions_total": "counter",
-    "vramledger_prompt_tokens_total": "counter",
-    "vramledger_generation_tokens_total": "counter",
-    "vramledger_prefix_cache_queries_total": "counter",
-    "vramledger_prefix_cache_hits_total": "counter",
-    "vramledger_requests_total": "counter",  # {finish_reason}
-    "vramledger_time_to_first_token_seconds": "histogram",
-    "vramledger_inter_token_latency_seconds": "histogram",
-    "vramledger_request_latency_seconds": "histogram",
-    "vramledger_request_queue_seconds": "histogram",
-    "vramledger_spec_decode_drafts_total": "counter",
-    "vramledger_spec_decode_draft_tokens_total": "counter",
-    "vramledger_spec_decode_accepted_tokens_total": "counter",
-    "vramledger_spec_decode_accepted_tokens_per_position_total": "counter",  # {position}
-    "vramledger_spec_decode_request_acceptance_ratio": "histogram",
-    "vramledger_spec_decode_num_speculative_tokens": "gauge",
-    "vramledger_worker_info": "gauge",  # {model, draft_model, device, num_speculative_tokens, version}
-}
-
-# name -> type, as the exporter publishes them (job "vramledger-exporter").
-EXPORTER_METRICS = {
-    "vramledger_device_memory_total_bytes": "gauge",  # {device, uuid}
-    "vramledger_device_memory_used_bytes": "gauge",
-    "vramledger_device_memory_reserved_bytes": "gauge",
-    "vramledger_device_process_memory_bytes": "gauge",  # {device, uuid, pid, process, owner, worker, measure}
-    "vramledger_device_foreign_memory_bytes": "gauge",
-    "vramledger_device_unattributed_memory_bytes": "gauge",
-    "vramledger_worker_up": "gauge",  # {worker}
-    "vramledger_worker_state": "gauge",  # {worker, state}: 1 for serving|loading|unreachable|wrong
-    "vramledger_worker_info": "gauge",  # {worker, engine, version, model}: same name as the worker's own
-    "vramledger_worker_kv_cache_usage_ratio": "gauge",  # {worker}
-    "vramledger_worker_declared_memory_bytes": "gauge",  # {worker}
-    "vramledger_worker_observed_memory_bytes": "gauge",  # {worker, device}
-    "vramledger_worker_unaccounted_memory_bytes": "gauge",  # {worker, device}
-    "vramledger_exporter_collect_seconds": "histogram",
-    "vramledger_exporter_errors_total": "counter",  # {source}
-}
 
 # Series Prometheus itself adds to every target.
 PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
@@ -88,11 +36,11 @@ def recording_rule_names() -> set[str]:
 def known_series() -> set[str]:
     """Every series name an expression may select: metrics, histogram parts, recording rules."""
     names = set(PROMETHEUS_SERIES) | recording_rule_names()
-    for name, kind in {**WORKER_METRICS, **EXPORTER_METRICS}.items():
-        if kind == "histogram":
-            names.update(name + suffix for suffix in ("_bucket", "_sum", "_count"))
+    for family in (f for process in catalogue().values() for f in process.values()):  # docs/metrics.md
+        if family.type == "histogram":
+            names.update(family.name + suffix for suffix in ("_bucket", "_sum", "_count"))
         else:
-            names.add(name)
+            names.add(family.name)
     return names
 
 

@@ -6,7 +6,7 @@ Allocates and touches N MiB (its "weights"), declares everything it holds at tha
 "port <n>" once it listens on 127.0.0.1, and serves:
   GET  /v1/memory         the ledger (docs/ledger.md), device kind "cpu", live block from its RSS
   GET  /health            {"status": "ok"}
-  GET  /metrics           vramledger_worker_info, as the worker serves it
+  GET  /metrics           vramledger_serving_info, as the worker serves it
   POST /test/hold?mib=N   test-only: allocate N MiB more that the ledger does not declare
 With --loading-seconds it listens first and "loads" (sleeps, then allocates) that long, answering
 as the worker does meanwhile: /health 503 {"status": "loading"}, /v1/memory 503 code "model_loading".
@@ -87,7 +87,7 @@ class LedgerWorker:
         return {"held_mib": sum(len(b) for b in self.undeclared) // MiB, "rss_bytes": rss_bytes()}
 
 
-INFO = b'vramledger_worker_info{model="ledger-worker",draft_model="",device="cpu",version="0.1.0"} 1.0\n'
+INFO = b'vramledger_serving_info{model="ledger-worker",draft_model="",device="cpu",version="0.1.0"} 1.0\n'
 LOADING = {"message": "the model is still loading", "type": "server_error", "param": None,
            "code": "model_loading"}
 

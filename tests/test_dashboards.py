@@ -20,25 +20,31 @@ from dashboard_queries import (
     variable_queries,
 )
 
+from vramledger.ledger_vocabulary import WORKER_COMPONENTS
+
 PROVISIONING = ROOT / "dashboards" / "provisioning"
+INFO = {"vramledger_worker_info", "vramledger_serving_info"}
 DS_UIDS = ("${datasource}", "$datasource")
 UNIT_PANELS = {"timeseries", "stat", "gauge", "bargauge", "heatmap", "table"}
 REQUIRED_VARIABLES = {
-    "memory-ledger": {"datasource", "instance", "worker", "device"},
+    "memory-ledger": {"datasource", "instance", "worker", "vllm", "device"},
     "serving": {"datasource", "instance", "device"},
 }
 # What each dashboard must show (issue 6), as the series it must query.
 REQUIRED_SERIES = {
     "memory-ledger": {
-        "vramledger_memory_bytes", "vramledger_memory_budget_bytes", "vramledger_device_memory_total_bytes",
+        "vramledger_memory_bytes", "vramledger_memory_budget_bytes", "vramledger_memory_device_total_bytes",
         "vramledger_process_memory_bytes", "vramledger_unaccounted_memory_bytes",
         "vramledger_foreign_memory_at_start_bytes", "vramledger_kv_cache_usage_ratio",
-        "vramledger_kv_cache_blocks_used", "vramledger_kv_cache_blocks_total",
+        "vramledger_kv_cache_blocks_used", "vramledger_kv_cache_blocks",
         "vramledger_kv_cache_blocks_cached", "vramledger_kv_cache_blocks_free",
-        "vramledger_device_memory_used_bytes", "vramledger_device_process_memory_bytes",
+        "vramledger_device_memory_used_bytes", "vramledger_device_memory_total_bytes",
+        "vramledger_device_process_memory_bytes",
         "vramledger_device_foreign_memory_bytes", "vramledger_worker_observed_memory_bytes",
         "vramledger_worker_declared_memory_bytes", "vramledger_worker_unaccounted_memory_bytes",
         "vramledger_worker_up", "vramledger_worker_info", "vramledger_worker_kv_cache_usage_ratio",
+        "vramledger_worker_weights_outside_budget_bytes", "vramledger_worker_foreign_charged_bytes",
+        "vramledger_worker_memory_bytes", "vramledger_worker_memory_budget_bytes",
     },
     "serving": {
         "vramledger_requests_running", "vramledger_requests_waiting", "vramledger_prompt_tokens_total",
@@ -48,11 +54,9 @@ REQUIRED_SERIES = {
         "vramledger_spec_decode_accepted_tokens_per_position_total",
         "vramledger_spec_decode_request_acceptance_ratio_bucket", "vramledger_preemptions_total",
         "vramledger_spec_decode_num_speculative_tokens", "vramledger_prefix_cache_queries_total",
-        "vramledger_prefix_cache_hits_total",
+        "vramledger_prefix_cache_hits_total", "vramledger_serving_info",
     },
 }
-LEDGER_COMPONENTS = {"runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch",
-                     "kv_cache"}
 
 
 @pytest.fixture(scope="module", params=sorted(DASHBOARDS))
@@ -110,7 +114,7 @@ def test_units_are_set(dashboard):
 
 def _expected_unit(exprs: list[str]) -> str | None:
     """The unit the metrics imply: seconds, bytes, bytes/bytes or ratios; None when mixed."""
-    names = set().union(*(metric_names(e) for e in exprs)) - {"vramledger_worker_info"}  # info: a filter
+    names = set().union(*(metric_names(e) for e in exprs)) - INFO  # info: a filter
     if not names:
         return None
     if all(re.search(r"_seconds(_bucket|_sum|_count)?$", n) for n in names):
@@ -162,10 +166,32 @@ def test_dashboards_show_what_the_issue_asks_for():
         used[query.dashboard] |= metric_names(query.expr)
     for name, required in REQUIRED_SERIES.items():
         assert required <= used[name], f"{name} misses {sorted(required - used[name])}"
-    ledger_exprs = " ".join(q.expr for q in dashboard_queries(raw=True) if q.dashboard == "memory-ledger")
-    components = set(re.findall(r'component="(\w+)"', ledger_exprs))
-    assert LEDGER_COMPONENTS <= components, f"ledger panel misses {sorted(LEDGER_COMPONENTS - components)}"
     assert recording_rule_names() >= {n for n in used["serving"] if ":" in n}
+
+
+def test_the_ledger_panel_stacks_every_entry_the_worker_records():
+    """One stacked target per component of the worker's ledger, in the ledger's order: a component added to
+    the ledger without its target here fails."""
+    [panel] = [p for p in iter_panels(load_dashboard("memory-ledger"))
+               if p.get("title") == "Ledger vs budget and device total"]
+    stacked = [t for t in panel["targets"] if "component=" in t["expr"]]
+    components = [re.search(r'component="(\w+)"', t["expr"]).group(1) for t in stacked]
+    assert components == list(WORKER_COMPONENTS)
+    assert all(metric_names(t["expr"]) == {"vramledger_memory_bytes"} for t in stacked)
+    unstacked = {o["matcher"]["options"] for o in panel["fieldConfig"]["overrides"]
+                 if {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}} in o["properties"]}
+    assert unstacked == {t["refId"] for t in panel["targets"]} - {t["refId"] for t in stacked}, \
+        "only the budget and the device total are drawn unstacked"
+
+
+def test_device_legends_name_the_node(dashboard):
+    """Two nodes' device 0 differ only by the node the exporter runs on (monitors.yaml, prometheus.yml)."""
+    name, data = dashboard
+    for panel in _panels(data):
+        for target in panel["targets"]:
+            legend = target.get("legendFormat", "")
+            if "{{device}}" in legend and "vramledger_serving_info" not in target["expr"]:
+                assert "{{node}}" in legend, f"{name}/{panel['title']}/{target['refId']}: {legend}"
 
 
 def test_substituted_queries_have_no_template_variables():
@@ -187,6 +213,15 @@ def test_substituted_queries_parse_with_promtool(tmp_path):
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
     out = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_node_label_is_set_wherever_the_exporter_is_scraped():
+    config = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "vramledger-exporter"]
+    assert [r["target_label"] for r in job["relabel_configs"]] == ["node"]
+    monitors = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "base" / "monitors.yaml").read_text())
+    [monitor] = [m for m in monitors if m["metadata"]["name"] == "vramledger-exporter"]
+    assert [r["targetLabel"] for e in monitor["spec"]["endpoints"] for r in e["relabelings"]] == ["node"]
 
 
 # ---------------------------------------------------------------- provisioning

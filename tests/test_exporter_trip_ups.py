@@ -1,19 +1,15 @@
-"""What an operator gets wrong on the command line, each answered with what to do, and a README
-that names exactly what the exporter serves: real exporter processes beside real servers (a
-vLLM-shaped process tree serving recorded /metrics, a ledger worker)."""
+"""What an operator gets wrong on the command line, each answered with what to do: real exporter processes
+beside real servers (a vLLM-shaped process tree serving recorded /metrics, a ledger worker). What the
+exporter serves is docs/metrics.md, checked by test_metrics_catalogue.py."""
 from __future__ import annotations
 
-import re
 import socket
 import subprocess
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from test_exporter_host import PY, ROOT, find, one, scrape, spawn, start_exporter  # noqa: F401
 from test_exporter_lifecycle import ledger_worker, state_of
 from test_exporter_vllm import RECORDED, start_tree
 
-from exporter.collector import ERRORS, GAUGES
 from exporter.engines import Engines, VramledgerEngine
 from exporter.engines.fetch import HttpClient
 from exporter.errors import ErrorLog
@@ -97,35 +93,3 @@ def test_two_urls_of_one_server_give_one_warning_and_one_set_of_series(spawn, tm
     assert len(warnings) == 1, warnings
     assert warnings[0].endswith(f"{second} reaches the same processes as {first}: watching that server once, "
                                 f"as {first}")
-
-
-def readme_exporter_series() -> set[str]:
-    """Every vramledger_ series the README's exporter section names, {a,b} alternatives expanded."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## The exporter (sidecar)", 1)[1].split("\n## ", 1)[0]
-    names = set()
-    for code in re.findall(r"`(vramledger_[^`]*)`", section):
-        expanded = [code]
-        while any(ALTERNATIVES.search(c) for c in expanded):
-            expanded = [c[:m.start()] + alt + c[m.end():] for c in expanded
-                        for m in [ALTERNATIVES.search(c)] for alt in m.group(1).split(",")]
-        names |= {c.split("{", 1)[0] for c in expanded}
-    return names
-
-
-ALTERNATIVES = re.compile(r"\{([a-z_]+(?:,[a-z_]+)+)\}")
-
-
-def test_the_readme_names_what_the_exporter_serves(spawn, tmp_path):  # noqa: F811
-    *_, vllm = start_tree(spawn, RECORDED.read_text(), tmp_path)
-    _, worker = ledger_worker(spawn)
-    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--vllm", vllm,
-                             "--worker", worker)
-    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
-    served = {f.name + "_total" if f.type == "counter" else f.name
-              for f in text_string_to_metric_families(response.text)
-              if f.name.startswith("vramledger_") and not f.name.endswith("_created")}  # client_python's own
-    named = readme_exporter_series()
-    assert served <= named, f"served, not in the README: {sorted(served - named)}"
-    assert named == {*GAUGES, ERRORS + "_total", "vramledger_exporter_collect_seconds"}, (
-        f"in the README, never served: {sorted(named - {*GAUGES, ERRORS + '_total'})}")

@@ -73,16 +73,19 @@ def test_garbage_or_another_server_is_no_vllm_text():
     with pytest.raises(ValueError):
         parse_metrics("vllm:kv_cache_usage_perc{engine=0 oops\n")
     with pytest.raises(ValueError, match="not a vLLM server"):  # e.g. --vllm pointed at our worker
-        parse_metrics('vramledger_kv_cache_usage_ratio 0.5\nvramledger_worker_info{version="0.1.0"} 1.0\n')
+        parse_metrics('vramledger_kv_cache_usage_ratio 0.5\nvramledger_serving_info{version="0.1.0"} 1.0\n')
 
 
 # --- the process tree of a server, found by its port ------------------------------------------
 
-def start_tree(spawn, text: str, tmp_path, ranks: int = 1, host: str = "127.0.0.1"):  # noqa: F811
-    """A real API server -> engine core -> ranks tree serving `text`; returns (api, core, ranks, url)."""
-    path = tmp_path / f"metrics-{ranks}.txt"
+def start_tree(spawn, text: str, tmp_path, ranks: int = 1, host: str = "127.0.0.1",  # noqa: F811
+               ledger: Path | None = None):
+    """A real API server -> engine core -> ranks tree serving `text` (and the vLLM plugin's `ledger`
+    document); returns (api, core, ranks, url)."""
+    path = tmp_path / f"metrics-{ranks}-{len(list(tmp_path.iterdir()))}.txt"
     path.write_text(text)
-    api = spawn([PY, str(HERE / "vllm_tree.py"), str(path), "--ranks", str(ranks), "--host", host],
+    extra = ["--ledger", str(ledger)] if ledger is not None else []
+    api = spawn([PY, str(HERE / "vllm_tree.py"), str(path), "--ranks", str(ranks), "--host", host, *extra],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = read_line(api)
     assert line.startswith("port "), line

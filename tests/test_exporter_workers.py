@@ -61,7 +61,7 @@ class Routes(BaseHTTPRequestHandler):
     """A worker that answers well, garbage, an error, or too late, depending on the path."""
     ledger = json.dumps(documented_ledger() | {"worker": {"pid": 4242, "host_pid": None,
                                                           "container_id": None}}).encode()
-    info = b'vramledger_worker_info{model="m",draft_model="",device="cuda:0",num_speculative_tokens="0",' \
+    info = b'vramledger_serving_info{model="m",draft_model="",device="cuda:0",num_speculative_tokens="0",' \
            b'version="9.8.7"} 1.0\n'
     bodies = {"/good/v1/memory": (200, ledger), "/good/metrics": (200, info),
               "/garbage/v1/memory": (200, b"<html>oops</html>"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -19,6 +20,8 @@ ALERTS = {
     "VramledgerUnaccountedMemoryHigh",
     "VramledgerKVCacheNearlyFull",
     "VramledgerDeviceMemoryNearlyFull",
+    "VramledgerWeightsOutsideBudget",
+    "VramledgerForeignMemoryCharged",
     "VramledgerWorkerDown",
     "VramledgerWorkerNotServing",
     "VramledgerSpecDecodeAcceptanceLow",
@@ -30,6 +33,8 @@ RECORDINGS = {
     "vramledger:spec_decode_mean_acceptance_length:rate5m",
 }
 RUNBOOK_SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation")
+# One base URL a deployment sets (an external label), then the runbook's file name.
+RUNBOOK_URL = "{{{{ $externalLabels.runbook_base_url }}}}/{}.md"
 
 
 def _rules(kind: str) -> dict[str, dict]:
@@ -123,7 +128,7 @@ def test_alert_metadata_and_runbook(name):
     annotations = rule.get("annotations", {})
     for key in ("summary", "description", "runbook_url"):
         assert str(annotations.get(key, "")).strip(), f"{name}: annotation {key} missing"
-    assert annotations["runbook_url"].endswith(f"docs/runbooks/{name}.md"), annotations["runbook_url"]
+    assert annotations["runbook_url"] == RUNBOOK_URL.format(name), annotations["runbook_url"]
     if "for" in rule:
         assert 60 <= _duration_s(rule["for"]) <= 15 * 60, f"{name}: for {rule['for']} outside 1m..15m"
 
@@ -137,6 +142,28 @@ def test_alert_metadata_and_runbook(name):
         assert len(body.strip()) > 40, f"{runbook.name}: section {section} is empty"
     diagnosis = text.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
     assert "```" in diagnosis, f"{runbook.name}: Diagnosis needs concrete queries or commands"
+
+
+def _absolute(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.netloc)
+
+
+def test_runbook_urls_are_absolute_and_name_a_runbook():
+    base = yaml.safe_load((PROM / "prometheus.yml").read_text())["global"]["external_labels"]["runbook_base_url"]
+    assert _absolute(base), f"prometheus.yml: runbook_base_url {base!r} is not an absolute URL"
+    # As promtool renders them in prometheus/tests (test_promtool_unit_tests_pass): absolute, one per alert.
+    rendered: dict[str, set[str]] = {}
+    for path in TEST_FILES:
+        for test in yaml.safe_load(path.read_text()).get("tests", []):
+            for case in test.get("alert_rule_test", []) or []:
+                for alert in case.get("exp_alerts") or []:
+                    rendered.setdefault(case["alertname"], set()).add(alert["exp_annotations"]["runbook_url"])
+    assert set(rendered) == ALERTS
+    for name, urls in rendered.items():
+        [url] = urls
+        assert _absolute(url) and url.endswith(f"/{name}.md"), url
+        assert (RUNBOOKS / url.rsplit("/", 1)[1]).is_file(), url
 
 
 def test_no_orphan_runbooks():

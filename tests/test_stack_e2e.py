@@ -1,8 +1,15 @@
 """The whole stack for real: worker, exporter and Prometheus on loopback, every dashboard
-query and rule evaluated by Prometheus, and the foreign-memory alert made to fire."""
+query and rule evaluated by Prometheus, and the foreign-memory alert made to fire.
+
+The exporter also watches two vLLM-shaped servers (tests/vllm_tree.py: real process trees serving a
+recorded /metrics and a ledger recorded from the vLLM plugin), one per kind of rank: vLLM's CPU
+build, and vLLM's CUDA worker whose profile run counted a neighbour's memory as its own."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import mem_hog
@@ -15,6 +22,9 @@ from local_stack_path import LocalStack
 # Series that only exist on some devices: NVML's v2 memory call (reserved memory).
 MAY_BE_ABSENT = {"vramledger_device_memory_reserved_bytes"}
 GiB = 1 << 30
+DATA = Path(__file__).parent / "data"
+VLLM_SERVERS = (("vllm_spec_metrics.txt", "vllm_ledger.json"),
+                ("vllm_spec_metrics.txt", "vllm_ledger_cuda_neighbour.json"))
 
 
 def foreign_floor() -> int:
@@ -25,10 +35,26 @@ def foreign_floor() -> int:
 
 
 @pytest.fixture(scope="module")
-def stack(checkpoints, tmp_path_factory):
+def vllm_servers():
+    """The vLLM-shaped trees' URLs; each tree exits when its stdin closes."""
+    tree = Path(__file__).parent / "vllm_tree.py"
+    trees = [subprocess.Popen([sys.executable, str(tree), str(DATA / metrics), "--ledger",
+                               str(DATA / ledger)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for metrics, ledger in VLLM_SERVERS]
+    try:
+        yield [f"http://127.0.0.1:{tree.stdout.readline().split()[1]}" for tree in trees]
+    finally:
+        for tree in trees:
+            tree.stdin.close()
+            tree.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoints, vllm_servers, tmp_path_factory):
     floor = foreign_floor()
+    vllm_args = [arg for url in vllm_servers for arg in ("--vllm", url)]
     s = LocalStack(tmp_path_factory.mktemp("stack"), scrape_interval="1s", rule_for="2s",
-                   exporter_args=["--min-process-memory", str(floor)], worker_args=[
+                   exporter_args=["--min-process-memory", str(floor), *vllm_args], worker_args=[
         "--model", checkpoints["llama"], "--draft-model", checkpoints["llama-draft"], "--max-model-len", "256"])
     try:
         s.start(timeout=180)
@@ -101,6 +127,9 @@ def test_dashboards_and_rules_evaluate_with_data(stack):
                     and a["state"] == "firing"]
         firing = wait_for(foreign_alert, 60, "VramledgerForeignMemoryOnDevice to fire")
         assert firing[0]["labels"]["device"] == "host"
+        base = yaml.safe_load((RULES_DIR.parent / "prometheus.yml").read_text())["global"]["external_labels"]
+        assert firing[0]["annotations"]["runbook_url"] == (base["runbook_base_url"]
+                                                           + "/VramledgerForeignMemoryOnDevice.md")
     finally:
         mem_hog.stop(hog)
     # With the foreign process gone, the alert resolves.

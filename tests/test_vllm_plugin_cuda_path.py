@@ -91,3 +91,13 @@ def test_draft_loaded_after_vllm_sized_its_budget_is_outside_it(draft_after_prof
     assert in_budget == ledger["budget"]["bytes"]  # the KV cache took the draft's share
     assert ledger["declared_bytes"] - ledger["budget"]["bytes"] == CONTEXT + DRAFT_W
     assert ledger["profile"]["non_torch_process_bytes"] == e["non_torch", ""]["bytes"]  # no neighbour
+
+
+def test_the_recorded_ledgers_are_what_the_plugin_answers(neighbour, draft_after_profile):
+    # tests/data/vllm_ledger_cuda_*.json feed the exporter's tests: they must stay what the plugin says.
+    for name, run in (("neighbour", neighbour), ("draft_after_profile", draft_after_profile)):
+        doc = json.loads((ROOT / "tests" / "data" / f"vllm_ledger_cuda_{name}.json").read_text())
+        [recorded] = doc["ranks"]
+        assert (doc["version"], doc["engine"]) == (1, "vllm")
+        for key in ("entries", "budget", "declared_bytes", "kv_cache", "profile", "device"):
+            assert run["ledger"][key] == recorded[key], (name, key)

@@ -1,4 +1,6 @@
-"""The vLLM plugin in a real vLLM (its CPU build), installed the way docs/vllm.md says (pip --no-deps).
+"""The vLLM plugin in a real vLLM (its CPU build), installed the way docs/vllm.md says (pip --no-deps):
+in vLLM's venv by `make test` when that install is this checkout's, else into a folder of the test's
+own (tests/vllm_plugin_install.py); and the exporter reading it.
 
 Needs the vLLM venv (`make vllm-venv`); skipped, saying so, without it. Three vLLM starts: the plugin
 enabled with the shipped pair, installed but not enabled, and on a vLLM version it was not built for.
@@ -20,7 +22,8 @@ import psutil
 import pytest
 from local_stack_path import free_port, wait_http
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_plugin_install import install_plugin
+from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
+from vllm_plugin_install import plugin_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -35,8 +38,13 @@ GiB = 1 << 30
 
 
 @pytest.fixture(scope="module")
-def plugin_site(tmp_path_factory):
-    return install_plugin(vllm_peer.vllm_python(), tmp_path_factory.mktemp("plugin") / "site")
+def plugin_site(tmp_path_factory) -> list[str]:
+    """PYTHONPATH entries that give vLLM this checkout's plugin (none: its venv has it installed)."""
+    return plugin_path(vllm_peer.vllm_python(), tmp_path_factory.mktemp("plugin") / "site")
+
+
+def python_path(*entries: str) -> str | None:
+    return os.pathsep.join(entries) or None  # None: no PYTHONPATH at all
 
 
 @contextmanager
@@ -62,7 +70,7 @@ def running_vllm(tmp_path_factory, name: str, env: dict, **kwargs):
 
 @pytest.fixture(scope="module")
 def with_plugin(tmp_path_factory, plugin_site):
-    env = {"PYTHONPATH": str(plugin_site), "VLLM_PLUGINS": "vramledger"}
+    env = {"PYTHONPATH": python_path(*plugin_site), "VLLM_PLUGINS": "vramledger"}
     with running_vllm(tmp_path_factory, "enabled", env, draft=DRAFT) as running:
         yield running
 
@@ -145,13 +153,45 @@ def test_ledger_has_weights_per_model_and_the_kv_cache_vllm_allocated(with_plugi
     assert complete(url)  # and vLLM serves as ever
 
 
-def test_plugin_imports_neither_the_worker_nor_the_exporter(plugin_site):
+def test_the_exporter_publishes_the_ledger_and_declares_it(with_plugin, spawn, tmp_path):  # noqa: F811
+    _, url, _ = with_plugin
+    [rank] = httpx.get(url + "/vramledger/memory", timeout=30).json()["ranks"]
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--vllm", url,
+                             "--worker-timeout", "10")
+    samples = scrape(port)
+    published = {(s.labels["component"], s.labels["model"]): s.value
+                 for s in find(samples, "vramledger_worker_memory_bytes", worker=url, rank="0")}
+    assert published == {(e["component"], e["model"]): e["bytes"] for e in rank["entries"]}
+    # Given its KV cache size, vLLM's CPU build has no budget; its ledger is what it declares.
+    declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
+    assert declared == rank["declared_bytes"]
+    observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
+    assert one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host") == max(
+        0, observed - declared)
+    for name in ("vramledger_worker_memory_budget_bytes", "vramledger_worker_weights_outside_budget_bytes",
+                 "vramledger_worker_foreign_charged_bytes"):
+        assert find(samples, name) == []
+    assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0
+
+    # tests/data/vllm_ledger.json, recorded from this server's configuration, holds what it holds now.
+    [recorded] = json.loads((ROOT / "tests" / "data" / "vllm_ledger.json").read_text())["ranks"]
+    static = lambda doc: {(e["component"], e["model"]): e["bytes"] for e in doc["entries"]
+                          if e["component"] != "runtime"}  # the process's RSS when it started
+    assert static(rank) == static(recorded) and rank["kv_cache"] == recorded["kv_cache"]
+
+
+def test_plugin_imports_neither_the_worker_nor_the_exporter(plugin_site, tmp_path):
     code = ("import sys, vramledger.vllm_plugin.hooks, vramledger.vllm_plugin.endpoint; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'worker', 'exporter'}))")
     out = subprocess.run([str(vllm_peer.vllm_python()), "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(plugin_site)), cwd=plugin_site, timeout=300)
+                         env=plugin_env(plugin_site), cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"
+
+
+def plugin_env(plugin_site: list[str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return env | ({"PYTHONPATH": python_path(*plugin_site)} if plugin_site else {})
 
 
 REGISTER = """
@@ -169,9 +209,9 @@ print(patched)
 """
 
 
-def test_worker_hooks_go_in_only_where_enabled_on_a_supported_version(plugin_site):
+def test_worker_hooks_go_in_only_where_enabled_on_a_supported_version(plugin_site, tmp_path):
     out = subprocess.run([str(vllm_peer.vllm_python()), "-c", REGISTER], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(plugin_site)), cwd=plugin_site, timeout=300)
+                         env=plugin_env(plugin_site), cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[False, False, False, True]"
 
@@ -183,7 +223,7 @@ def lines_saying(log: Path, pattern: str) -> list[str]:
 
 
 def test_installed_but_not_enabled_vllm_serves_and_says_why(tmp_path_factory, plugin_site):
-    env = {"PYTHONPATH": str(plugin_site), "VLLM_PLUGINS": None}
+    env = {"PYTHONPATH": python_path(*plugin_site), "VLLM_PLUGINS": None}
     with running_vllm(tmp_path_factory, "not-enabled", env) as (_, url, log):
         assert complete(url)
         assert httpx.get(url + "/vramledger/memory").status_code == 404
@@ -192,7 +232,7 @@ def test_installed_but_not_enabled_vllm_serves_and_says_why(tmp_path_factory, pl
 
 
 def test_unsupported_vllm_version_serves_and_says_why(tmp_path_factory, plugin_site):
-    env = {"PYTHONPATH": f"{FAKE_VERSION_DIR}{os.pathsep}{plugin_site}", "VLLM_PLUGINS": "vramledger",
+    env = {"PYTHONPATH": python_path(str(FAKE_VERSION_DIR), *plugin_site), "VLLM_PLUGINS": "vramledger",
            "FAKE_VLLM_VERSION": "0.99.0"}
     with running_vllm(tmp_path_factory, "unsupported", env) as (_, url, log):
         assert httpx.get(url + "/version").json()["version"] == "0.99.0"  # the simulation took

@@ -1,14 +1,26 @@
 """This project installed for vLLM's venv as docs/vllm.md tells users (`pip install --no-deps`).
 
-Into a folder of the test's own (then on PYTHONPATH), not into the venv: the venv may be shared, and
-the folder holds this checkout's plugin, never one installed from an older one.
+`make test` installs this checkout into vLLM's venv (scripts/vllm_venv.sh); the tests use that install
+when it is this checkout's, file for file. Otherwise (a venv shared with another checkout, or built
+before the last change) they install it into a folder of their own, put on PYTHONPATH, and leave the
+venv as it is.
 """
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import vllm_peer  # noqa: E402
+
+
+def plugin_path(python: Path, target: Path) -> list[str]:
+    """The PYTHONPATH entries that give vLLM this checkout's plugin: none when its venv has it installed."""
+    if vllm_peer.plugin_installed(python):
+        return []
+    return [str(install_plugin(python, target))]
 
 
 def install_plugin(python: Path, target: Path) -> Path:

@@ -1,9 +1,12 @@
 """A real process tree shaped like a vLLM server's, for tests where a GPU vLLM cannot run here.
 
-    python tests/vllm_tree.py METRICS_FILE [--ranks N] [--host 127.0.0.1] [--version 0.32.0]
+    python tests/vllm_tree.py METRICS_FILE [--ledger LEDGER_FILE] [--ranks N] [--host 127.0.0.1]
+                              [--version 0.32.0]
 
 The API server process listens on a free port and serves METRICS_FILE (a /metrics text recorded
-from a real vLLM) at /metrics and {"version": ...} at /version; it starts an engine-core child,
+from a real vLLM) at /metrics, {"version": ...} at /version and, given LEDGER_FILE (a document
+recorded from the vLLM plugin), that at /vramledger/memory, as vLLM with the plugin enabled does
+(404 without it, as vLLM without the plugin); it starts an engine-core child,
 which starts N rank children, as vLLM does with tensor parallelism N. It prints "port P" once the
 whole tree is up, and everything exits when its stdin closes.
 """
@@ -31,9 +34,11 @@ def child(ranks: int) -> None:
         proc.wait()
 
 
-def serve(metrics: Path, ranks: int, host: str, version: str) -> None:
+def serve(metrics: Path, ranks: int, host: str, version: str, ledger: Path | None = None) -> None:
     bodies = {"/metrics": ("text/plain; version=0.0.4", metrics.read_bytes()),
               "/version": ("application/json", json.dumps({"version": version}).encode())}
+    if ledger is not None:
+        bodies["/vramledger/memory"] = ("application/json", ledger.read_bytes())
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's and the worker's uvicorn,
@@ -65,6 +70,7 @@ def serve(metrics: Path, ranks: int, host: str, version: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("metrics", nargs="?", type=Path)
+    parser.add_argument("--ledger", type=Path, default=None)
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--version", default="0.32.0")
@@ -73,4 +79,4 @@ if __name__ == "__main__":
     if args.child is not None:
         child(args.child)
     else:
-        serve(args.metrics, args.ranks, args.host, args.version)
+        serve(args.metrics, args.ranks, args.host, args.version, args.ledger)

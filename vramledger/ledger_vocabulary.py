@@ -1,10 +1,12 @@
 """The ledger's words (docs/ledger.md): its version, its components in order, how an entry was measured."""
 
 LEDGER_VERSION = 1
-# Entry order in the document and the table: from the process's start to the KV cache. The worker
-# captures no CUDA graphs and so records no cuda_graph entry; vLLM's ledger (vllm_plugin) does.
+# Entry order in the document and the table: from the process's start to the KV cache.
 COMPONENTS = ("runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "allocator",
               "sequence_state", "server", "cuda_graph", "kv_cache")
+# The worker captures no CUDA graphs and so records no cuda_graph entry; vLLM's ledger (vllm_plugin) does.
+# The memory-ledger dashboard stacks exactly these (tests/test_dashboards.py).
+WORKER_COMPONENTS = tuple(c for c in COMPONENTS if c != "cuda_graph")
 # An entry's scope: measured for its process alone, or read from the device's free memory, which
 # also moves when other processes allocate (how a neighbour gets charged to an engine).
 SCOPE_PROCESS, SCOPE_DEVICE = "process", "device"

@@ -43,7 +43,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile both models with torch.compile (inductor) at startup (minutes); the "
                         "ledger's `compiled` entry holds what it costs. Not faster on the CPU so far "
-                        "(README, Benchmarks)")
+                        "(docs/benchmarks.md)")
     p.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
                    help="with --compile: inductor (default) generates kernels; eager keeps dynamo's graphs "
                         "and guards and runs them with torch's ops (checks in seconds that the models compile)")
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=run_generate)
 
     check = sub.add_parser("selfcheck", help="prove the ledger on this device: start workers and neighbours, "
-                                             "replay the seed scenarios, print pass/fail")
+                                             "replay the scenarios that break a ledger, print pass/fail")
     add_selfcheck_flags(check)
     check.set_defaults(run=run_selfcheck)
     return parser

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Protocol
 
 from exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
 from exporter.engines.fetch import HttpClient
@@ -50,6 +51,19 @@ class _Watch:
     engine: Engine
     lifecycle: Lifecycle
     pending: Future | None = None  # its read, still running from an earlier scrape
+
+
+class EngineSet(Protocol):
+    """What the collector and the CLI use of the watched engines (Engines, or DiscoveredEngines over it)."""
+
+    sources: tuple[str, ...]  # the error sources their reads count in
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    def read(self) -> dict[str, Reading]: ...
+
+    def close(self) -> None: ...
 
 
 class Engines:
@@ -105,10 +119,10 @@ class Engines:
         for watch in self._watches.values():
             if watch.pending is None:
                 watch.pending = self._pool.submit(read_one, watch.engine)
-        wait([w.pending for w in self._watches.values()], timeout=wait_s)
+        wait([w.pending for w in self._watches.values() if w.pending is not None], timeout=wait_s)
         readings: dict[str, Reading] = {}
         for url, watch in self._watches.items():
-            if watch.pending.done():
+            if watch.pending is not None and watch.pending.done():
                 reading, watch.pending = watch.pending.result(), None
             else:  # left running: the next scrape takes its answer rather than asking again
                 reading = Reading(Status.UNREACHABLE, reason=f"{url}: no answer within {wait_s:g} s")

@@ -1,9 +1,10 @@
 """What the exporter needs from an inference engine, whatever its kind: one small interface.
 
 An adapter reads one server per scrape and answers an EngineState: the host pids of its processes,
-what it declares (a fixed number of bytes, or a share of each device it uses), its KV cache usage
-and its identity; or it raises NotServing, saying which of the other lifecycle states the server is
-in and why. SGLang or TGI would be one more module beside vramledger.py and vllm.py.
+what it declares (a fixed number of bytes, its ledger per rank, or a share of each device it uses),
+its KV cache usage and its identity; or it raises NotServing, saying which of the other lifecycle
+states the server is in and why. SGLang or TGI would be one more module beside vramledger.py and
+vllm.py.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from exporter.engines.ranks import RankLedger
 from exporter.sources import HOST, DeviceMemory
 
 
@@ -25,20 +27,36 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class EngineState:
-    """One engine as read in one scrape."""
+    """One engine as read in one scrape; what it declares is the first of: declared_bytes, its ranks'
+    ledgers, declared_share."""
     pids: frozenset[int]  # host pids of every process it runs (NVML reports host pids)
     info: EngineInfo
     kv_usage: float | None = None  # fraction of its KV cache in use, in [0, 1]
     declared_bytes: int | None = None  # a fixed declaration, whatever the device (a ledger's total)
     declared_share: float | None = None  # or a share of the total memory of each device it uses
+    ranks: tuple[RankLedger, ...] = ()  # or its ledger per rank, each on its device (published too)
 
     def declared_on(self, device: DeviceMemory) -> int | None:
         """What it declares on one device; None when it declares nothing there."""
         if self.declared_bytes is not None:
             return self.declared_bytes
+        if self.ranks:
+            here = [r.declared_bytes for r in self.ranks if r.on(device)]
+            return sum(here) if here else None
         if self.declared_share is not None and device.device != HOST:  # a GPU's share, never the host's
             return math.ceil(self.declared_share * device.total)  # vLLM's rounding (request_memory)
         return None
+
+    def declared_total(self, used: list[DeviceMemory]) -> int | None:
+        """All it declares: a fixed declaration or its ranks' as they are, a share summed over the
+        devices it uses (used); None when it declares nothing."""
+        if self.declared_bytes is not None:
+            return self.declared_bytes
+        if self.ranks:
+            return sum(r.declared_bytes for r in self.ranks)
+        shares = [self.declared_on(dev) for dev in used]
+        known = [share for share in shares if share is not None]
+        return sum(known) if known and len(known) == len(shares) else None
 
 
 class Status(str, Enum):

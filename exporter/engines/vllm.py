@@ -1,8 +1,9 @@
-"""A vLLM server: its /metrics (vllm:* series), the process tree behind its port, its budget.
+"""A vLLM server: its /metrics (vllm:* series), the process tree behind its port, what it declares.
 
 vLLM's API server starts an engine-core process (and, with tensor parallelism, one worker per rank);
-those children hold the device memory, so the whole tree is the worker. Its budget is vLLM V1's own
-rule: gpu_memory_utilization x the total memory of each device it uses. With an explicit
+those children hold the device memory, so the whole tree is the worker. With the vLLM plugin enabled
+it declares its ledger, rank by rank (vllm_ledger.py). Without it, its budget is vLLM V1's own rule:
+gpu_memory_utilization x the total memory of each device it uses. With an explicit
 kv_cache_memory_bytes that budget is unknown and nothing is declared; vLLM's CPU backend reports
 its VLLM_CPU_KVCACHE_SPACE that way, and a share of the host is no budget anyway.
 """
@@ -16,6 +17,7 @@ from prometheus_client.samples import Sample
 
 from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
 from exporter.engines.fetch import HttpClient, fetch
+from exporter.engines.vllm_ledger import LedgerReader
 from exporter.errors import ErrorLog
 from exporter.processes import Locator, NotFound, PortLocator
 
@@ -104,7 +106,8 @@ def _number(text: str | None, kind):
 
 
 class VllmEngine:
-    """Reads one vLLM server each scrape: GET /metrics, and its processes by port (or a given pid).
+    """Reads one vLLM server each scrape: GET /metrics, and its processes by port (or a given pid); its
+    ledger (GET /vramledger/memory) once per process tree.
 
     A server that is not serving says why through NotServing (a vLLM that is still loading does not
     accept connections yet: unreachable). Processes that cannot be found are counted in
@@ -117,6 +120,7 @@ class VllmEngine:
         self._client = client
         self._errors = errors
         self._locator = locator or PortLocator(self.url)
+        self._ledger = LedgerReader(self.url, client, errors)
         self._version: str | None = None
 
     def read(self) -> EngineState:
@@ -124,6 +128,7 @@ class VllmEngine:
             metrics = self.read_metrics()
         except NotServing:
             self._locator.forget()
+            self._ledger.forget()
             self._version = None  # a restarted server may be another version
             raise
         try:
@@ -132,7 +137,7 @@ class VllmEngine:
             self._errors.record(SOURCE, f"no_process {self.url}", f"{self.url}: {e}")
             pids = frozenset()
         return EngineState(pids, EngineInfo(KIND, self._read_version(), metrics.model), metrics.kv_usage,
-                           declared_share=metrics.declared_share)
+                           declared_share=metrics.declared_share, ranks=self._ledger.read(pids))
 
     def read_metrics(self) -> VllmMetrics:
         """GET /metrics, parsed; raises NotServing."""
@@ -140,7 +145,7 @@ class VllmEngine:
         try:
             return parse_metrics(text)
         except ValueError as e:
-            if b"vramledger_worker_info" in text:
+            if b"vramledger_serving_info" in text:
                 raise Wrong(f"{self.url} is a vramledger worker, not a vLLM server: watch it with --worker "
                             f"{self.url} (in a cluster: pod label vramledger.io/engine: vramledger)",
                             wrong_kind=True) from None

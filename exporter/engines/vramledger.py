@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,18 +44,18 @@ def parse_ledger(url: str, doc: object) -> WorkerLedger:
         raise LedgerError("missing 'worker' or 'device'")
     pid, host_pid, declared = worker.get("pid"), worker.get("host_pid"), doc.get("declared_bytes")
     container_id, kind = worker.get("container_id"), device.get("kind")
-    if not _is_int(pid) or pid <= 0:
+    if not is_int(pid) or pid <= 0:
         raise LedgerError(f"bad worker.pid {pid!r}")
-    if host_pid is not None and (not _is_int(host_pid) or host_pid <= 0):
+    if host_pid is not None and (not is_int(host_pid) or host_pid <= 0):
         raise LedgerError(f"bad worker.host_pid {host_pid!r}")
     if container_id is not None and not isinstance(container_id, str):
         raise LedgerError(f"bad worker.container_id {container_id!r}")
-    if not _is_int(declared) or declared < 0:
+    if not is_int(declared) or declared < 0:
         raise LedgerError(f"bad declared_bytes {declared!r}")
     if kind not in ("cuda", "cpu"):
         raise LedgerError(f"bad device.kind {kind!r}")
-    models = doc.get("models") if isinstance(doc.get("models"), dict) else {}
-    target = models.get("target")
+    models = doc.get("models")
+    target = models.get("target") if isinstance(models, dict) else None
     return WorkerLedger(url, pid, host_pid, container_id or None, kind, declared,
                         target if isinstance(target, str) else "", _kv_usage(doc.get("kv_cache")))
 
@@ -63,12 +64,12 @@ def _kv_usage(kv: object) -> float | None:
     if not isinstance(kv, dict):
         return None
     used, total = kv.get("blocks_used"), kv.get("blocks_total")
-    if not (_is_int(used) and _is_int(total)) or total <= 0 or not 0 <= used <= total:
+    if not (is_int(used) and is_int(total)) or total <= 0 or not 0 <= used <= total:
         return None
     return used / total
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -128,7 +129,7 @@ class VramledgerEngine:
                      "(in a cluster: pod label vramledger.io/engine: vllm)", wrong_kind=True)
 
     def _version(self, pid: int) -> str:
-        # The ledger carries no version; the worker's own vramledger_worker_info does. A worker's
+        # The ledger carries no version; the worker's own vramledger_serving_info does. A worker's
         # version changes only with its process, so it is read once per pid.
         if pid not in self._versions:
             try:
@@ -142,7 +143,7 @@ class VramledgerEngine:
 
 def _info_version(text: str) -> str:
     for family in text_string_to_metric_families(text):
-        if family.name == "vramledger_worker_info":
+        if family.name == "vramledger_serving_info":
             for sample in family.samples:
                 return sample.labels.get("version", "")
     return ""

@@ -64,7 +64,7 @@ class IncrementalText:
 class TokenTexts:
     """Each token's own text (for logprobs), decoded once per token id."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
 

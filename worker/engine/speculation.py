@@ -61,7 +61,7 @@ class Acceptance:
 class StepCosts:
     """Seconds per row of a decode step with k proposals, per batch-size bucket."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._seen: set[tuple[int, int]] = set()
         self._times: dict[int, dict[int, deque[float]]] = {}
 

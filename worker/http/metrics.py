@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from worker.engine.outputs import RequestOutput
@@ -34,8 +34,8 @@ RATIO_BUCKETS = (0, .1, .2, .3, .4, .5, .6, .7, .8, .9, 1)
 
 
 @dataclass(frozen=True)
-class WorkerInfo:
-    """The labels of vramledger_worker_info."""
+class ServingInfo:
+    """The labels of vramledger_serving_info."""
 
     model: str
     draft_model: str
@@ -44,7 +44,7 @@ class WorkerInfo:
     version: str
 
     @classmethod
-    def of(cls, engine: LLMEngine, model: str, version: str) -> WorkerInfo:
+    def of(cls, engine: LLMEngine, model: str, version: str) -> ServingInfo:
         """The labels of a loaded engine serving `model` (its served name)."""
         config, device = engine.config, engine.device
         draft_model = Path(config.draft_model.rstrip("/")).name if config.draft_model else ""
@@ -57,7 +57,7 @@ class EngineCollector(Collector):
     """Builds the ledger and engine metrics fresh on each scrape; nothing while the engine loads."""
 
     def __init__(self, engine: Callable[[], LLMEngine | None], pending: Callable[[], int],
-                 info: Callable[[], WorkerInfo | None]):
+                 info: Callable[[], ServingInfo | None]):
         self._engine = engine  # None while loading
         self._pending = pending  # requests handed to the engine thread but not yet in its queue
         self._info = info
@@ -69,7 +69,7 @@ class EngineCollector(Collector):
             return
         # Each source on its own: a failing ledger read must not hide the queue gauges.
         for source in (self._ledger, self._kv_cache, self._queues, self._counters, self._speculation,
-                       self._worker_info):
+                       self._serving_info):
             try:
                 yield from list(source(engine))
             except Exception:  # a scrape never fails as a whole
@@ -88,7 +88,7 @@ class EngineCollector(Collector):
         live = report["live"]
         yield gauge("vramledger_memory_budget_bytes", "Memory the worker may use on its device.",
                     report["budget"]["bytes"])
-        yield gauge("vramledger_device_memory_total_bytes", "Total memory of the worker's device.",
+        yield gauge("vramledger_memory_device_total_bytes", "Total memory of the worker's device.",
                     report["device"]["total_bytes"])
         yield gauge("vramledger_foreign_memory_at_start_bytes",
                     "Device memory other processes held when the worker started.",
@@ -101,15 +101,13 @@ class EngineCollector(Collector):
     def _kv_cache(self, engine: LLMEngine) -> Iterator[Metric]:
         blocks = engine.blocks
         total, used, cached = blocks.num_blocks, blocks.num_used, blocks.num_cached
-        # Untyped, not a gauge: the contract's name ends in _total, which promtool reserves for counters.
-        yield UnknownMetricFamily("vramledger_kv_cache_blocks_total", "KV cache blocks allocated at start "
-                                  "(constant).", value=total)
+        yield gauge("vramledger_kv_cache_blocks", "KV cache blocks allocated at start (constant).", total)
         yield gauge("vramledger_kv_cache_blocks_used", "KV cache blocks held by requests.", used)
         yield gauge("vramledger_kv_cache_blocks_cached", "KV cache blocks no request holds that keep a full "
                     "block of an earlier prompt for requests that start alike (evicted least recently used "
                     "first when fresh blocks run out).", cached)
         yield gauge("vramledger_kv_cache_blocks_free",
-                    "KV cache blocks holding nothing (total - used - cached).", total - used - cached)
+                    "KV cache blocks holding nothing (blocks - used - cached).", total - used - cached)
         yield gauge("vramledger_kv_cache_usage_ratio", "Share of the KV cache blocks in use.",
                     used / total if total else 0.0)
 
@@ -149,13 +147,13 @@ class EngineCollector(Collector):
                     "per decode step, as the speculation policy last chose (probes aside); at most "
                     "--num-speculative-tokens, 0 for plain steps.", engine.stats.current_speculative_tokens)
 
-    def _worker_info(self, engine: LLMEngine) -> Iterator[Metric]:
+    def _serving_info(self, engine: LLMEngine) -> Iterator[Metric]:
         info = self._info()
         if info is None:
             return
-        family = GaugeMetricFamily("vramledger_worker_info", "The worker's models, device and version "
-                                   "(value 1).", labels=("model", "draft_model", "device",
-                                                         "num_speculative_tokens", "version"))
+        family = GaugeMetricFamily("vramledger_serving_info", "What the worker serves: its models, device, "
+                                   "draft tokens per step and version (value 1).",
+                                   labels=("model", "draft_model", "device", "num_speculative_tokens", "version"))
         family.add_metric((info.model, info.draft_model, info.device, str(info.num_speculative_tokens),
                            info.version), 1)
         yield family

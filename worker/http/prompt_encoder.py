@@ -33,7 +33,7 @@ class PromptEncoder:
     context can hold (prompt_bounds.py): a prompt that cannot fit is never tokenized. The engine
     thread decodes with its own tokenizer; this one only encodes, which is thread-safe."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-short")
         self._long = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long")
         self.tokenizer: PreTrainedTokenizerBase | None = None  # set once loaded

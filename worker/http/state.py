@@ -20,7 +20,7 @@ from worker.config import EngineConfig
 from worker.http.drain import Drain
 from worker.http.engine_loop import EngineLoop
 from worker.http.errors import APIError
-from worker.http.metrics import EngineCollector, RequestMetrics, WorkerInfo
+from worker.http.metrics import EngineCollector, RequestMetrics, ServingInfo
 from worker.http.prompt_bounds import body_limit
 from worker.http.prompt_encoder import PromptEncoder
 from worker.http.settings import ServerSettings
@@ -58,7 +58,7 @@ class ServerState:
         state = cls(config, settings, served_name(config, settings), package_version(), registry, encoder,
                     engine_loop, Drain(engine_loop, settings.drain_timeout))
         if settings.metrics:
-            registry.register(EngineCollector(state.serving_engine, engine_loop.num_pending, state.worker_info))
+            registry.register(EngineCollector(state.serving_engine, engine_loop.num_pending, state.serving_info))
         return state
 
     @property
@@ -95,9 +95,9 @@ class ServerState:
         """The engine the metrics read: None while it loads or after it failed."""
         return self.engine_loop.engine if self.engine_loop.ready else None
 
-    def worker_info(self) -> WorkerInfo | None:
+    def serving_info(self) -> ServingInfo | None:
         engine = self.engine_loop.engine
-        return None if engine is None else WorkerInfo.of(engine, self.model_name, self.version)
+        return None if engine is None else ServingInfo.of(engine, self.model_name, self.version)
 
 
 def load_engine(config: EngineConfig, settings: ServerSettings, encoder: PromptEncoder,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vramledger.identity import ProcessIdentity
-from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION
+from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION, WORKER_COMPONENTS
 from vramledger.processes import ProcessMemory
 from vramledger.units import GiB, MiB, format_bytes
 from worker.memory.device import Device
@@ -61,8 +61,8 @@ class Ledger:
 
     def record(self, component: str, nbytes: int, model: str = "") -> None:
         """Set the bytes of (component, model), replacing an earlier measurement."""
-        if component not in COMPONENTS:
-            raise ValueError(f"unknown ledger component {component!r}; expected one of {COMPONENTS}")
+        if component not in WORKER_COMPONENTS:
+            raise ValueError(f"unknown ledger component {component!r}; expected one of {WORKER_COMPONENTS}")
         if nbytes < 0:
             raise ValueError(f"ledger entry {component}/{model} cannot be negative ({nbytes})")
         self.entries = [e for e in self.entries if (e.component, e.model) != (component, model)]

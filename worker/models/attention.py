@@ -34,7 +34,7 @@ class GatherWorkspace:
     so serving never holds more than that run's peak.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._pairs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def pair(self, rows: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

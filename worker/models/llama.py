@@ -214,6 +214,8 @@ class Decoder(nn.Module):
 class CausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoints, so state dicts load as they are."""
 
+    fused_forward: DecoderForward | None  # a step in one C call (pack_linears sets it)
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -226,7 +228,7 @@ class CausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rotary = RotaryEmbedding(config, self.head_dim)
-        self.fused_forward: DecoderForward | None = None  # a step in one C call (pack_linears sets it)
+        self.fused_forward = None
 
     def fuse_projections(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint-shaped q/k/v and gate/up become fused matmuls.
@@ -256,7 +258,7 @@ class CausalLM(nn.Module):
 
         A tied head gets a packed copy and the embedding stays plain (it is indexed): the copy
         costs vocab x hidden more bytes (in the ledger's weights); decoding with the shipped
-        pair got 1.10-1.16x faster (README, Benchmarks), least in plain batch-1 steps.
+        pair got 1.10-1.16x faster (docs/benchmarks.md), least in plain batch-1 steps.
         """
         for module, name, _ in self.projections():
             weight = getattr(module, name)

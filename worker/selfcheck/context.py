@@ -23,6 +23,7 @@ class Context:
     procs: Processes
     launcher: Launcher = field(default_factory=Launcher)
     quiet: bool = False
+    vllm_python: str | None = None  # scenario 5: vLLM's interpreter (None: this one, if it has vLLM)
 
     @property
     def workdir(self) -> Path:

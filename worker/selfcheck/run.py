@@ -1,4 +1,4 @@
-"""The order of a selfcheck run: the device, the sizes, the four scenarios, the report."""
+"""The order of a selfcheck run: the device, the sizes, the five scenarios, the report."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,13 @@ from pathlib import Path
 from vramledger.units import format_bytes
 from worker.config import DEFAULT_MODEL
 from worker.memory.device import get_device
-from worker.selfcheck import scenario_draft, scenario_exporter, scenario_ledger, scenario_neighbours
+from worker.selfcheck import (
+    scenario_draft,
+    scenario_exporter,
+    scenario_ledger,
+    scenario_neighbours,
+    scenario_vllm,
+)
 from worker.selfcheck.checkpoints import LARGE_SHAPES, build_random_checkpoint
 from worker.selfcheck.context import Context
 from worker.selfcheck.processes import Processes, ProcessExited, signals_raise
@@ -32,7 +38,7 @@ from worker.selfcheck.view import DeviceView
 
 log = logging.getLogger(__name__)
 TITLES = {1: scenario_ledger.TITLE, 2: scenario_draft.TITLE, 3: scenario_neighbours.TITLE,
-          4: scenario_exporter.TITLE}
+          4: scenario_exporter.TITLE, 5: scenario_vllm.TITLE}
 
 
 def attempt(ctx: Context, result: ScenarioResult, body: Callable[[], None]) -> None:
@@ -53,9 +59,9 @@ def attempt(ctx: Context, result: ScenarioResult, body: Callable[[], None]) -> N
 
 
 def run_scenarios(ctx: Context, keep_going: bool = False) -> list[ScenarioResult]:
-    """Scenarios 1 to 4 in order; without keep_going, those after a failure are skipped."""
+    """Scenarios 1 to 5 in order; without keep_going, those after a failure are skipped."""
     results = [ScenarioResult(n, title) for n, title in TITLES.items()]
-    r1, r2, r3, r4 = results
+    r1, r2, r3, r4, r5 = results
 
     def stopped(result: ScenarioResult) -> bool:
         failed = [r.number for r in results if r.status == FAIL]
@@ -68,7 +74,17 @@ def run_scenarios(ctx: Context, keep_going: bool = False) -> list[ScenarioResult
             attempt(ctx, result, functools.partial(scenario.run, ctx, result))
     if stopped(r3):
         stopped(r4)
-        return results
+    else:
+        neighbours_and_exporter(ctx, r3, r4, stopped)
+    for started in ctx.procs.started:  # vLLM gets a device that only it uses
+        ctx.procs.stop(started)
+    if not stopped(r5):
+        attempt(ctx, r5, functools.partial(scenario_vllm.run, ctx, r5))
+    return results
+
+
+def neighbours_and_exporter(ctx: Context, r3: ScenarioResult, r4: ScenarioResult, stopped) -> None:
+    """Scenarios 3 and 4, which share scenario 3's processes."""
     hood: list[scenario_neighbours.Neighbourhood] = []
 
     def neighbours() -> None:
@@ -82,7 +98,6 @@ def run_scenarios(ctx: Context, keep_going: bool = False) -> list[ScenarioResult
         r4.skipped = "needs scenario 3's processes, which did not start"
     elif not stopped(r4):
         attempt(ctx, r4, lambda: scenario_exporter.run(ctx, hood[0], r4))
-    return results
 
 
 def large_models(cache_dir: str | None, device: str) -> tuple[Path, Path]:
@@ -114,7 +129,8 @@ def main(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         with signals_raise(), Processes(workdir) as procs:
-            results = run_scenarios(Context(view, scale, procs), keep_going=args.keep_going)
+            context = Context(view, scale, procs, vllm_python=args.vllm_python)
+            results = run_scenarios(context, keep_going=args.keep_going)
     except KeyboardInterrupt:  # every process is stopped by now
         print(f"selfcheck: interrupted; the processes' logs are in {workdir}", file=sys.stderr)
         return 130

@@ -1,0 +1,119 @@
+"""vLLM's own ledger: GET /vramledger/memory, which the vLLM plugin adds to vLLM's API server (docs/vllm.md).
+
+Every entry of it is a start-up fact (the weights loaded, the KV cache allocated, the profile run's
+result), so it is asked once per process tree of the server, not on every scrape: each ask costs
+vLLM a call into every rank between two engine steps. What moves, the processes' memory and the KV
+cache's use, the exporter reads itself on every scrape. A vLLM without the plugin answers 404: it is
+not asked again until its processes change, and nothing is counted.
+"""
+from __future__ import annotations
+
+import logging
+
+from exporter.engines.base import Loading, NotServing, Unreachable
+from exporter.engines.fetch import HttpClient, WrongStatus, fetch
+from exporter.engines.ranks import Entry, RankLedger
+from exporter.engines.vramledger import LedgerError, is_int, parse_ledger
+from exporter.errors import ErrorLog
+
+log = logging.getLogger(__name__)
+
+PATH = "/vramledger/memory"
+SOURCE = "vllm"
+
+
+def parse_ranks(url: str, doc: object) -> tuple[RankLedger, ...]:
+    """The ranks of the plugin's document; raises LedgerError where it is not that document."""
+    if not isinstance(doc, dict) or doc.get("engine") != "vllm" or not isinstance(doc.get("ranks"), list):
+        raise LedgerError("not the vLLM plugin's ledger (no engine \"vllm\" with a list of ranks)")
+    return tuple(_rank(url, rank) for rank in doc["ranks"])
+
+
+def _rank(url: str, doc: object) -> RankLedger:
+    ledger = parse_ledger(url, doc)  # each rank is a ledger of docs/ledger.md
+    assert isinstance(doc, dict)  # parse_ledger has checked it
+    rank, entries = doc.get("rank"), doc.get("entries")
+    if not is_int(rank) or rank < 0:
+        raise LedgerError(f"bad rank {rank!r}")
+    if not isinstance(entries, list):
+        raise LedgerError(f"rank {rank}: no list of entries")
+    uuid = doc["device"].get("uuid")
+    budget = doc.get("budget")
+    size = budget.get("bytes") if isinstance(budget, dict) else None
+    return RankLedger(rank, ledger.device_kind, uuid if isinstance(uuid, str) and uuid else None,
+                      ledger.declared_bytes, tuple(_entry(rank, e) for e in entries),
+                      size if is_int(size) and size >= 0 else None, _foreign_charged(doc.get("profile")))
+
+
+def _entry(rank: int, doc: object) -> Entry:
+    if not isinstance(doc, dict):
+        raise LedgerError(f"rank {rank}: an entry that is no object")
+    component, model, size, in_budget = (doc.get(k) for k in ("component", "model", "bytes", "in_budget"))
+    if not isinstance(component, str) or not component or not isinstance(model, str):
+        raise LedgerError(f"rank {rank}: bad entry {doc!r}")
+    if not is_int(size) or size < 0:
+        raise LedgerError(f"rank {rank}: bad bytes in entry {doc!r}")
+    if in_budget is not None and not isinstance(in_budget, bool):
+        raise LedgerError(f"rank {rank}: bad in_budget in entry {doc!r}")
+    return Entry(component, model, size, in_budget)
+
+
+def _foreign_charged(profile: object) -> int | None:
+    """vLLM's non-torch increase over its profile run, read from the device's free memory, above its
+    process's own non-torch growth (NVML): what other processes allocated meanwhile, charged to vLLM."""
+    if not isinstance(profile, dict):
+        return None  # no profile run (the CPU backend)
+    device, own = profile.get("non_torch_increase_bytes"), profile.get("non_torch_process_bytes")
+    if not (is_int(device) and is_int(own)):
+        return None  # the rank could not read its own growth (no NVML)
+    return max(0, device - max(0, own))
+
+
+class LedgerReader:
+    """The ledger of one vLLM server, asked once per process tree; () when there is none to read."""
+
+    def __init__(self, url: str, client: HttpClient, errors: ErrorLog):
+        self.url = url
+        self._client = client
+        self._errors = errors
+        self._tree: frozenset[int] | None = None  # the processes the kept answer is theirs
+        self._ranks: tuple[RankLedger, ...] = ()
+        self._said = ""  # the last outcome logged, so that a restart with the same one logs nothing
+
+    def read(self, tree: frozenset[int]) -> tuple[RankLedger, ...]:
+        """The ranks' ledgers of the server whose processes are tree (frozenset() where unknown)."""
+        if tree == self._tree:
+            return self._ranks
+        try:
+            ranks = parse_ranks(self.url, fetch(self._client, self.url + PATH).json())
+        except WrongStatus as e:
+            if e.status_code != 404:
+                self._errors.record(SOURCE, f"ledger_status {self.url}", f"{self.url}{PATH}: {e}")
+            ranks = ()
+            self._say("absent" if e.status_code == 404 else "wrong")
+        except (Loading, Unreachable) as e:  # a busy or stopping engine: asked again next scrape
+            self._errors.note(SOURCE, f"ledger_unanswered {self.url}", f"{e} (asked again next scrape)")
+            return ()
+        except (NotServing, ValueError) as e:  # not JSON, not the plugin's document
+            self._errors.record(SOURCE, f"bad_ledger {self.url}", f"{self.url}{PATH}: not vLLM's ledger: {e}")
+            ranks = ()
+            self._say("wrong")
+        else:
+            self._say(f"{len(ranks)} ranks")
+        self._tree, self._ranks = tree, ranks
+        return ranks
+
+    def forget(self) -> None:
+        """The server stopped answering: ask its ledger again once it serves."""
+        self._tree, self._ranks = None, ()
+
+    def _say(self, outcome: str) -> None:
+        if outcome == self._said:
+            return
+        self._said = outcome
+        if outcome == "absent":
+            log.info("vllm %s serves no %s (the vramledger vLLM plugin is not enabled there): no ledger to "
+                     "publish; what it declares is read from its /metrics", self.url, PATH)
+        elif outcome != "wrong":  # a wrong answer logs its error instead
+            log.info("vllm %s: its ledger read from %s (%s), declared and published per rank", self.url,
+                     PATH, outcome)

