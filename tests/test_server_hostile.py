@@ -21,7 +21,8 @@ MODEL = "llama-chat"
 JSON = {"Content-Type": "application/json"}
 SLOT = "@@slot@@"  # where a raw JSON escape goes: json.dumps would write a lone surrogate as-is
 SURROGATES = {"lone high": r"\ud800", "lone low": r"\udfff", "reversed pair": r"\udc00\ud800"}
-# Every string a request carries, with the other fields of a valid request around it.
+# Every string a request carries, with the other fields of a valid request around it (one new token:
+# an odd but valid string is served, and what it generates is not the point).
 STRING_FIELDS = {
     "completion model": ("/v1/completions", {"model": SLOT, "prompt": "hi", "max_tokens": 1}),
     "prompt": ("/v1/completions", {"model": MODEL, "prompt": f"a{SLOT}b", "max_tokens": 1}),
@@ -29,16 +30,18 @@ STRING_FIELDS = {
     "stop string": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1, "stop": SLOT}),
     "stop list": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1, "stop": ["x", SLOT]}),
     "completion user": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": SLOT}),
-    "chat model": ("/v1/chat/completions", {"model": SLOT, "messages": [{"role": "user", "content": "hi"}]}),
-    "chat content": ("/v1/chat/completions", {"model": MODEL, "messages": [
+    "chat model": ("/v1/chat/completions", {"model": SLOT, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}]}),
+    "chat content": ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
         {"role": "user", "content": SLOT}]}),
-    "chat text part": ("/v1/chat/completions", {"model": MODEL, "messages": [
+    "chat text part": ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
         {"role": "user", "content": [{"type": "text", "text": SLOT}]}]}),
-    "chat name": ("/v1/chat/completions", {"model": MODEL, "messages": [
+    "chat name": ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
         {"role": "user", "content": "hi", "name": SLOT}]}),
-    "chat role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": SLOT, "content": "hi"}]}),
-    "chat stop": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                           "stop": [SLOT]}),
+    "chat role": ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": SLOT, "content": "hi"}]}),
+    "chat stop": ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}], "stop": [SLOT]}),
 }
 # Strings JSON can carry that are valid Unicode: served or refused, never a server error.
 ODD_BUT_VALID = [r"\u0000", r"\uffff", r"\ufffe", r"\ud83d\ude00", r"\udbff\udfff", "\\u202e", r"\u0301"]
