@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 
-from random_models import make_checkpoint
+from random_models import make_checkpoint  # noqa: E402
+
+pytest_plugins = ["server_fixtures"]  # the servers the HTTP tests share (spec_server, plain_server, ...)
 
 
 @pytest.fixture(scope="session")

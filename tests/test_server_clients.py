@@ -8,8 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 from server_fixtures import Server, with_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent

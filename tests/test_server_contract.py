@@ -13,8 +13,6 @@ from transformers import AutoTokenizer
 from worker.http.openai_protocol import chat_text
 from worker.http.request_models import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 
-pytest_plugins = ["server_fixtures"]  # the spec_server and plain_server fixtures
-
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "llama-chat"
 OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}

@@ -5,11 +5,7 @@ import time
 
 import httpx
 import pytest
-
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 from server_fixtures import API_KEY, metric_value
-
-pytest_plugins = ["server_fixtures"]  # the spec_server and plain_server fixtures
 
 OK = {"model": "llama-chat", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "llama-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

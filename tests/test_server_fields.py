@@ -1,11 +1,7 @@
 """vLLM clients' request fields through the official openai client: each one changes what comes back."""
 import openai
 import pytest
-
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 from server_fixtures import API_KEY
-
-pytest_plugins = ["server_fixtures"]  # the spec_server and plain_server fixtures
 
 MODEL = "llama-chat"
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 12}

@@ -13,10 +13,6 @@ import pytest
 from worker.http.prompt_bounds import PromptBound
 from worker.models.loader import load_tokenizer
 
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
-
-pytest_plugins = ["server_fixtures"]  # the spec_server fixture
-
 MODEL = "llama-chat"
 JSON = {"Content-Type": "application/json"}
 SLOT = "@@slot@@"  # where a raw JSON escape goes: json.dumps would write a lone surrogate as-is

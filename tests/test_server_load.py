@@ -3,13 +3,8 @@ import asyncio
 import json
 
 import httpx
-import pytest
-from transformers import AutoTokenizer
-
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 from server_fixtures import API_KEY, sse_events
-
-pytest_plugins = ["server_fixtures"]  # the spec_server and plain_server fixtures
+from transformers import AutoTokenizer
 
 CLIENTS = 32
 TOKENS = 20

@@ -8,11 +8,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
-
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 from server_fixtures import metric_value
-
-pytest_plugins = ["server_fixtures"]  # the spec_server and plain_server fixtures
 
 GREEDY = {"model": "llama-chat", "temperature": 0, "ignore_eos": True}
 CANARY = "zebra canary 7781"

@@ -2,11 +2,7 @@
 import httpx
 import openai
 import pytest
-
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 from server_fixtures import API_KEY
-
-pytest_plugins = ["server_fixtures"]  # the spec_server and plain_server fixtures
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 

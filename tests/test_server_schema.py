@@ -3,12 +3,7 @@ import subprocess
 import sys
 
 import httpx
-import pytest
-
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
 from server_fixtures import API_KEY
-
-pytest_plugins = ["server_fixtures"]  # the spec_server and plain_server fixtures
 
 MAX_EXAMPLES = 25  # per operation and phase; the whole run stays well under a minute
 

@@ -16,8 +16,6 @@ from server_fixtures import metric_value
 
 from worker.http.settings import SHUTDOWN_MARGIN
 
-pytest_plugins = ["server_fixtures"]  # the gated_worker fixture
-
 
 def events(lines):
     """The data fields of a server-sent event stream, one at a time."""
