@@ -5,7 +5,7 @@ an additive mask and runs SDPA: at 16 rows on the shipped target that was 35% of
 (gather 1.4 ms, SDPA 1.7 of 8.8, one thread). The kernel reads each key and value where it sits,
 through the rows' slot tables, and applies the causal and window limits as loop bounds. It takes
 decode and verify steps alike (2-3.5x faster than gather + SDPA at both, bench/paged_attention.py);
-a prompt's prefill keeps SDPA.
+a prompt's chunks go to prefill_attention.py, which shares this call's signature (load, call).
 """
 from __future__ import annotations
 
@@ -20,12 +20,16 @@ from worker.kernels import native
 MAX_SCRATCH = 16 << 20  # bytes of scores a thread holds for one row (paged_attention.h)
 
 
+def load(name: str):
+    """An attention kernel of this signature (paged_attention.c, prefill_attention.c); None where absent."""
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
+    return native.function(name, name, pointer, int64, pointer, pointer, pointer, pointer, pointer, int64, int64,
+                           int64, int64, int64, int64, int64, ctypes.c_float, pointer, ctypes.c_int)
+
+
 @functools.cache
 def _kernel():
-    int64, pointer = ctypes.c_int64, ctypes.c_void_p
-    return native.function("paged_attention", "paged_attention", pointer, int64, pointer, pointer, pointer,
-                           pointer, pointer, int64, int64, int64, int64, int64, int64, int64, ctypes.c_float,
-                           pointer, ctypes.c_int)
+    return load("paged_attention")
 
 
 def available() -> bool:
@@ -60,13 +64,19 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: tor
     """q [B, Q, H, D] (tokens evenly strided, heads and dims dense); keys, values [slots, kvH, D];
     slots [B, C] the cache slot of each context position; positions [B, Q]; lengths [B].
     Returns [B, Q, H * D]."""
+    return call(_kernel(), q, keys, values, slots, positions, lengths, window)
+
+
+def call(kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+         positions: torch.Tensor, lengths: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Lays the tensors out as an attention kernel of load()'s signature reads them, and runs it."""
     B, Q, H, D = q.shape
     if q.stride(3) != 1 or q.stride(2) != D or q.stride(0) != Q * q.stride(1):
         q = q.contiguous()
     keys, values = keys.contiguous(), values.contiguous()
     slots, positions, lengths = (t.to(torch.int64).contiguous() for t in (slots, positions, lengths))
     out = q.new_empty(B, Q, H * D)
-    _kernel()(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
+    kernel(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
               positions.data_ptr(), lengths.data_ptr(), B, Q, slots.shape[1], H, keys.shape[1], D,
               window or 0, scale(D), out.data_ptr(), torch.get_num_threads())
     return out

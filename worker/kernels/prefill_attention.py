@@ -10,12 +10,11 @@ prompt prefilled whole, in chunks or after a cached prefix gives the same keys, 
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from worker.kernels import native, paged_attention
+from worker.kernels import paged_attention
 
 MAX_SCRATCH = 16 << 20  # bytes of scores a thread holds for one tile (prefill_attention.h)
 TILE_ROWS = 32  # the most query rows a tile holds (16 on AVX2 builds): what sizes a thread's scratch
@@ -23,10 +22,7 @@ TILE_ROWS = 32  # the most query rows a tile holds (16 on AVX2 builds): what siz
 
 @functools.cache
 def _kernel():
-    int64, pointer = ctypes.c_int64, ctypes.c_void_p
-    return native.function("prefill_attention", "prefill_attention", pointer, int64, pointer, pointer, pointer,
-                           pointer, pointer, int64, int64, int64, int64, int64, int64, int64, ctypes.c_float,
-                           pointer, ctypes.c_int)
+    return paged_attention.load("prefill_attention")
 
 
 def available() -> bool:
@@ -50,13 +46,4 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: tor
            positions: torch.Tensor, lengths: torch.Tensor, window: int | None) -> torch.Tensor:
     """As paged_attention.attend: q [B, Q, H, D] (tokens evenly strided, heads and dims dense); keys,
     values [slots, kvH, D]; slots [B, C]; positions [B, Q]; lengths [B]. Returns [B, Q, H * D]."""
-    B, Q, H, D = q.shape
-    if q.stride(3) != 1 or q.stride(2) != D or q.stride(0) != Q * q.stride(1):
-        q = q.contiguous()
-    keys, values = keys.contiguous(), values.contiguous()
-    slots, positions, lengths = (t.to(torch.int64).contiguous() for t in (slots, positions, lengths))
-    out = q.new_empty(B, Q, H * D)
-    _kernel()(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
-              positions.data_ptr(), lengths.data_ptr(), B, Q, slots.shape[1], H, keys.shape[1], D,
-              window or 0, paged_attention.scale(D), out.data_ptr(), torch.get_num_threads())
-    return out
+    return paged_attention.call(_kernel(), q, keys, values, slots, positions, lengths, window)
