@@ -84,7 +84,10 @@ class LLMEngine:
         self.blocks = BlockManager(self.num_blocks, config.block_size, config.prefix_caching)
         self.max_k = config.num_speculative_tokens
         # Every decode step may propose up to K tokens: the scheduler reserves slots for K.
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_k)
+        # On the CPU a forward costs about 1 ms besides its tokens (9 tokens of the shipped target's
+        # prefill): prompts share a step only up to 64 tokens. A GPU reads every weight each forward.
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_k,
+                                   self.runner.attention_span(), 64 if self.device.kind == "cpu" else None)
         self.speculation = speculation_policy(config.speculation, self.max_k)
         self.stats = EngineStats(num_speculative_tokens=self.max_k, current_speculative_tokens=self.max_k)
         self.ledger.blocks_used = lambda: self.blocks.num_used

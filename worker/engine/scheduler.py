@@ -16,28 +16,62 @@ class Batch:
     is_prefill: bool
     seqs: list[Sequence]
     chunks: list[int] = field(default_factory=list)  # prefill: each row's new tokens, from its num_cached on
+    cost: float = 0.0  # prefill: its tokens padded to the widest row, plus their attention (Step)
+
+
+@dataclass
+class Step:
+    """A prefill step's rows as they are added: the padded width and the attention's cost."""
+
+    rows: int = 0
+    width: int = 0
+    attention: float = 0.0
+
+    def cost_with(self, take: int, attention: float) -> float:
+        """Its cost in tokens with one more row: every row padded to the widest, plus attention."""
+        return (self.rows + 1) * max(self.width, take) + self.attention + attention
+
+    @property
+    def cost(self) -> float:
+        return self.rows * self.width + self.attention
+
+    def add(self, take: int, attention: float) -> None:
+        self.rows += 1
+        self.width = max(self.width, take)
+        self.attention += attention
 
 
 class Scheduler:
-    """FIFO admission under max_num_seqs; prefill steps of at most max_num_batched_tokens tokens,
-    long prompts in chunks; newest-first preemption.
+    """FIFO admission under max_num_seqs; long prompts in chunks; newest-first preemption.
 
-    While prompts are being prefilled and requests decode, prefill and decode steps alternate: a
-    running stream waits at most one prefill step (one chunk) for its next tokens. Alternating keeps
-    every step one of the two shapes the engine already runs and the profile measures; decode rows
-    mixed into a chunk's forward would also mix speculation's draft steps and verification into it.
+    A step either prefills prompts' chunks or decodes every running request. A prefill step costs its
+    tokens, padded to the widest row, plus their attention counted in tokens' matmuls (a chunk after a
+    long cached prefix costs more than its tokens). max_num_batched_tokens bounds what running streams
+    wait for between two decode steps: prefill steps follow each other while their summed cost stays
+    within it, and the first after a decode step always runs (a long prompt's chunk of up to
+    max_num_batched_tokens tokens). Prompts share a step while its cost stays within join_tokens:
+    where a forward costs little besides its tokens (the CPU), prompts that cost much go one a step,
+    so the first of a burst answer while the rest wait instead of all after the whole batch.
+
+    Decode rows never ride in a chunk's forward: every step stays one of the two shapes the engine
+    runs and the profile measures, and speculation's draft steps and verification stay out of it.
     """
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: int):
+                 lookahead: int, attention_span: float = float("inf"), join_tokens: int | None = None):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.lookahead = lookahead  # draft slots a decode step writes past the last token
+        # Context positions a token's attention reads for the cost of its matmuls (ModelRunner.
+        # attention_span): a chunk after a long context costs more than its tokens.
+        self.attention_span = attention_span
+        # The cost up to which prompts share a prefill step (None: the whole budget).
+        self.join_tokens = max_num_batched_tokens if join_tokens is None else join_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._prefilled_last = False
+        self._stall = 0.0  # the cost of the prefill steps that decoding streams have waited for
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -46,35 +80,31 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch | None:
-        if self._prefilled_last and any(s.prefilled for s in self.running):
-            self._prefilled_last = False
-            decode = self._grow_running()
-            if decode:
-                return Batch(is_prefill=False, seqs=decode)
-        prefill = self._prefill_rows()
-        self._prefilled_last = bool(prefill.seqs)
-        if prefill.seqs:
+        decoding = any(s.prefilled for s in self.running)
+        prefill = self._prefill_rows(self.max_num_batched_tokens - self._stall if decoding else None)
+        if prefill.seqs:  # counted while streams decode: the ones it finishes wait from its end
+            self._stall = self._stall + prefill.cost if decoding else 0.0
             return prefill
+        self._stall = 0.0
         decode = self._grow_running()
         return Batch(is_prefill=False, seqs=decode) if decode else None
 
-    def _prefill_rows(self) -> Batch:
+    def _prefill_rows(self, stall_left: float | None) -> Batch:
         """Prompts being prefilled, then waiting requests admitted in order (each starting after its
-        cached prefix). Rows are padded to the widest: the padded size is what the forward costs."""
-        batch = Batch(is_prefill=True, seqs=[], chunks=[])
-        width = 0
+        cached prefix), as _chunk lets them in. `stall_left`: the cost the decoding streams may still
+        wait for (None: none decodes)."""
+        batch, step = Batch(is_prefill=True, seqs=[], chunks=[]), Step()
         for seq in self.running:
             if not seq.prefilled:
-                take = self._chunk(len(seq) - seq.num_cached, len(batch.seqs), width)
+                take = self._chunk(len(seq) - seq.num_cached, seq.num_cached, step, stall_left)
                 if not take:
                     return batch
-                width = max(width, take)
-                batch.seqs.append(seq)
-                batch.chunks.append(take)
+                self._add_row(batch, step, seq, take, seq.num_cached)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.blocks.cached_prefix(seq)
-            take = self._chunk(len(seq) - len(cached) * self.blocks.block_size, len(batch.seqs), width)
+            start = len(cached) * self.blocks.block_size
+            take = self._chunk(len(seq) - start, start, step, stall_left)
             if not take or not self.blocks.can_admit(seq, cached):
                 break
             self.waiting.popleft()
@@ -83,21 +113,39 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            width = max(width, take)
-            batch.seqs.append(seq)
-            batch.chunks.append(take)
+            self._add_row(batch, step, seq, take, start)
         return batch
 
-    def _chunk(self, left: int, rows: int, width: int) -> int:
-        """Tokens a row with `left` to prefill gets as row rows+1 of a batch `width` wide (0: none).
-        All of them while the widened batch stays within the budget; else, a chunk as wide as the
-        batch, or the whole budget when it is the first row."""
+    def _add_row(self, batch: Batch, step: Step, seq: Sequence, take: int, start: int) -> None:
+        step.add(take, self._attention(start, take))
+        batch.seqs.append(seq)
+        batch.chunks.append(take)
+        batch.cost = step.cost
+
+    def _chunk(self, left: int, start: int, step: Step, stall_left: float | None) -> int:
+        """Tokens a row with `left` to prefill from position `start` gets in this step (0: none).
+        The first row takes all of them, or the whole budget, unless the decoding streams have
+        waited for earlier prefill steps and this one would make them wait past the budget. Other
+        rows join only while the step's cost stays within join_tokens: prompts that cost much, such
+        as chunks after a long cached prefix, are prefilled one a step, in steps that follow each
+        other, so that the first of a burst answers while the rest wait; small ones share a step.
+        A prompt longer than the budget may join with a first chunk as wide as the step."""
         budget = self.max_num_batched_tokens
-        if (rows + 1) * max(width, left) <= budget:
-            return left
-        if rows == 0:
-            return budget
-        return width if (rows + 1) * width <= budget else 0
+        if not step.rows:
+            take = min(left, budget)
+            if stall_left is not None and self._stall > 0 and take + self._attention(start, take) > stall_left:
+                return 0
+            return take
+        limit = min(self.join_tokens, budget if stall_left is None else stall_left)
+        # Only a prompt that goes in chunks anyway (longer than the budget) is cut to fit.
+        for take in (left, step.width) if left > budget else (left,):
+            if step.cost_with(take, self._attention(start, take)) <= limit:
+                return take
+        return 0
+
+    def _attention(self, start: int, take: int) -> float:
+        """What `take` tokens from position `start` cost in attention, in tokens' matmuls."""
+        return take * (start + (take + 1) / 2) / self.attention_span
 
     def _grow_running(self) -> list[Sequence]:
         batch: list[Sequence] = []

@@ -1,0 +1,99 @@
+"""What a prefill step costs and which prompts share one (the scheduler alone, without torch)."""
+from worker.engine.block_manager import BlockManager
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence
+
+
+def scheduler(join_tokens=None, attention_span=16.0, budget=64):
+    return Scheduler(BlockManager(num_blocks=400, block_size=4), max_num_seqs=16, max_num_batched_tokens=budget,
+                     lookahead=0, attention_span=attention_span, join_tokens=join_tokens)
+
+
+def add(sched, names, tokens):
+    for name in names:
+        sched.add(Sequence(name, list(range(tokens)), SamplingParams()))
+
+
+def run(sched, steps):
+    """Schedule `steps` steps, doing to each request what the engine does; each step as
+    ("P" or "D", request ids)."""
+    done = []
+    for _ in range(steps):
+        batch = sched.schedule()
+        if batch is None:
+            break
+        if batch.is_prefill:
+            for s, chunk in zip(batch.seqs, batch.chunks):
+                s.num_cached += chunk
+                if s.num_cached == len(s):
+                    s.prefilled = True
+                    s.output_token_ids.append(1)
+        else:
+            for s in batch.seqs:
+                s.num_cached = len(s)
+                s.output_token_ids.append(1)
+        done.append(("P" if batch.is_prefill else "D", [s.request_id for s in batch.seqs]))
+    return done
+
+
+def test_costly_prompts_go_one_a_step_in_steps_that_follow_each_other():
+    sched = scheduler(join_tokens=16)
+    add(sched, ["stream"], 8)
+    run(sched, 1)  # it decodes from now on
+    add(sched, "abcd", 8)  # each costs 8 tokens + 8 * 4.5 / 16 of attention = 10.25 > join_tokens / 2
+    assert run(sched, 5) == [("P", ["a"]), ("P", ["b"]), ("P", ["c"]), ("P", ["d"]),
+                             ("D", ["stream", "a", "b", "c", "d"])]
+
+
+def test_streams_wait_for_at_most_the_budget_of_prefill_steps():
+    sched = scheduler(join_tokens=16)
+    add(sched, ["stream"], 8)
+    run(sched, 1)
+    add(sched, "abcdefgh", 8)  # 10.25 each: 6 steps cost 61.5 <= 64, a 7th would cost 71.75
+    steps = run(sched, 9)
+    assert [kind for kind, _ in steps] == ["P"] * 6 + ["D"] + ["P"] * 2
+    assert steps[6][1] == ["stream", *"abcdef"]
+
+
+def test_small_prompts_share_a_step():
+    sched = scheduler(join_tokens=16)
+    add(sched, "abcdefgh", 2)  # 2 tokens + 2 * 1.5 / 16 each: 7 rows cost 15.3, 8 cost 17.5
+    assert run(sched, 2) == [("P", list("abcdefg")), ("P", ["h"])]
+
+
+def test_attention_is_part_of_the_cost():
+    tokens_only = scheduler(join_tokens=16, attention_span=float("inf"))
+    add(tokens_only, "ab", 8)
+    assert run(tokens_only, 1) == [("P", ["a", "b"])]  # 16 tokens
+    with_attention = scheduler(join_tokens=16)
+    add(with_attention, "ab", 8)
+    assert run(with_attention, 1) == [("P", ["a"])]  # 20.5
+
+
+def test_without_a_join_limit_prompts_share_steps_up_to_the_budget():
+    sched = scheduler()
+    add(sched, ["stream"], 8)
+    run(sched, 1)
+    add(sched, "abcdef", 8)  # 6 rows: 61.5
+    assert run(sched, 2) == [("P", list("abcdef")), ("D", ["stream", *"abcdef"])]
+
+
+def test_a_long_prompt_alternates_its_chunks_with_decode_steps():
+    sched = scheduler(join_tokens=16)
+    add(sched, ["stream"], 8)
+    run(sched, 1)
+    add(sched, ["long"], 150)  # chunks of 64 tokens, each costing more than the budget with attention
+    assert [kind for kind, _ in run(sched, 6)] == ["P", "D", "P", "D", "P", "D"]
+
+
+def test_a_prompt_is_not_cut_to_join_a_step_unless_it_goes_in_chunks_anyway():
+    sched = scheduler(join_tokens=16, attention_span=float("inf"))
+    add(sched, ["a"], 6)
+    add(sched, ["b"], 12)  # 2 x 12 > 16: not cut to 6 tokens to join, it goes whole next step
+    assert run(sched, 2) == [("P", ["a"]), ("P", ["b"])]
+    assert sched.running[1].num_cached == 12
+    long = scheduler(join_tokens=16, attention_span=float("inf"), budget=20)
+    add(long, ["a"], 6)
+    add(long, ["b"], 30)  # longer than the budget: its first chunk is as wide as the step
+    assert long.schedule().chunks == [6, 6]
