@@ -142,3 +142,15 @@ def test_chunked_prefill_of_a_batch_of_long_prompts_equals_whole_prefill(checkpo
     whole = outputs(engine(checkpoints["llama"]), prompts)
     chunked = engine(checkpoints["llama"], max_num_batched_tokens=24)
     assert outputs(chunked, prompts) == whole
+
+
+def test_the_scheduler_weighs_attention_by_the_targets_own_sizes(checkpoints):
+    """attention_span: a layer's matmul multiply-adds per token over the attention's per position
+    (scores and weighted values, per head and dim)."""
+    e = engine(checkpoints["llama"])
+    config = e.runner.models["target"].config
+    hidden, inner, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    qkv = hidden * (heads + 2 * config.num_key_value_heads) * head_dim
+    matmuls = qkv + heads * head_dim * hidden + 3 * hidden * inner
+    assert e.scheduler.attention_span == e.runner.attention_span() == matmuls / (2 * heads * head_dim)
