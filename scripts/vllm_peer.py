@@ -43,8 +43,9 @@ def plugin_installed(python: Path) -> bool:
     except ImportError:  # Python 3.10: the entry points cannot be compared, so the install is not trusted
         return False
     with tempfile.TemporaryDirectory() as away:
-        out = subprocess.run([str(python), "-I", "-c", _INSTALLED], capture_output=True, text=True, cwd=away,
-                             timeout=120)
+        # Absolute: the venv's path may be relative to this directory, and the probe runs away from it.
+        out = subprocess.run([str(python.absolute()), "-I", "-c", _INSTALLED], capture_output=True, text=True,
+                             cwd=away, timeout=120)
     if out.returncode != 0:
         return False
     found = json.loads(out.stdout)
