@@ -150,8 +150,8 @@ def test_scheduler_chunks_long_prompts_and_alternates_with_decoding():
     short.output_token_ids.append(7)
     long.num_cached = 3
     kinds = []
-    # The rest of the long prompt in chunks of 8 (each the whole budget), a decode step between
-    # them; the short one got its token from the first step.
+    # The rest of the long prompt in chunks of 8 (each the whole budget), a decode step before each
+    # of them; the short one got its token from the first step.
     while not long.prefilled:
         batch = sched.schedule()
         kinds.append("prefill" if batch.is_prefill else "decode")
@@ -161,4 +161,4 @@ def test_scheduler_chunks_long_prompts_and_alternates_with_decoding():
             long.prefilled = long.num_cached == 20
         else:
             assert batch.seqs == [short]
-    assert kinds == ["prefill", "decode"] * 2 + ["prefill"]
+    assert kinds == ["decode", "prefill"] * 3

@@ -37,29 +37,48 @@ def run(sched, steps):
     return done
 
 
-def test_costly_prompts_go_one_a_step_in_steps_that_follow_each_other():
+def test_costly_prompts_go_one_a_step_each_after_a_decode_step():
     sched = scheduler(join_tokens=16)
     add(sched, ["stream"], 8)
-    run(sched, 1)  # it decodes from now on
-    add(sched, "abcd", 8)  # each costs 8 tokens + 8 * 4.5 / 16 of attention = 10.25 > join_tokens / 2
-    assert run(sched, 5) == [("P", ["a"]), ("P", ["b"]), ("P", ["c"]), ("P", ["d"]),
-                             ("D", ["stream", "a", "b", "c", "d"])]
+    run(sched, 2)  # its prefill, then a decode step: it decodes from now on
+    add(sched, "abc", 8)  # each costs 8 tokens + 8 * 4.5 / 16 of attention = 10.25 > join_tokens / 2
+    assert run(sched, 6) == [("P", ["a"]), ("D", ["stream", "a"]), ("P", ["b"]), ("D", ["stream", "a", "b"]),
+                             ("P", ["c"]), ("D", ["stream", "a", "b", "c"])]
 
 
-def test_streams_wait_for_at_most_the_budget_of_prefill_steps():
+def test_prompts_arriving_together_start_decoding_a_step_apart_and_finish_apart():
     sched = scheduler(join_tokens=16)
-    add(sched, ["stream"], 8)
-    run(sched, 1)
-    add(sched, "abcdefgh", 8)  # 10.25 each: 6 steps cost 61.5 <= 64, a 7th would cost 71.75
-    steps = run(sched, 9)
-    assert [kind for kind, _ in steps] == ["P"] * 6 + ["D"] + ["P"] * 2
-    assert steps[6][1] == ["stream", *"abcdef"]
+    for name in "abcd":
+        sched.add(Sequence(name, list(range(8)), SamplingParams(max_tokens=4)))
+    finished = []
+    for _ in range(20):
+        batch = sched.schedule()
+        if batch is None:
+            break
+        for s, chunk in zip(batch.seqs, batch.chunks or [1] * len(batch.seqs)):
+            s.num_cached = s.num_cached + chunk if batch.is_prefill else len(s)
+            if s.num_cached == len(s):
+                s.prefilled = True
+                s.output_token_ids.append(1)
+                if len(s.output_token_ids) == 4:
+                    sched.finish(s, "length")
+                    finished.append(s.request_id)
+        finished.append("|")  # a step ends
+    # each finishes in a step of its own: their successors would arrive apart, not as a burst
+    steps = "".join(finished).split("|")
+    assert [step for step in steps if step] == list("abcd")
+
+
+def test_while_nothing_decodes_a_long_prompts_chunks_follow_each_other():
+    sched = scheduler(join_tokens=16)
+    add(sched, ["long"], 150)  # chunks of 64 tokens
+    assert [kind for kind, _ in run(sched, 4)] == ["P", "P", "P", "D"]
 
 
 def test_small_prompts_share_a_step():
     sched = scheduler(join_tokens=16)
     add(sched, "abcdefgh", 2)  # 2 tokens + 2 * 1.5 / 16 each: 7 rows cost 15.3, 8 cost 17.5
-    assert run(sched, 2) == [("P", list("abcdefg")), ("P", ["h"])]
+    assert run(sched, 3) == [("P", list("abcdefg")), ("D", list("abcdefg")), ("P", ["h"])]
 
 
 def test_attention_is_part_of_the_cost():
@@ -74,7 +93,7 @@ def test_attention_is_part_of_the_cost():
 def test_without_a_join_limit_prompts_share_steps_up_to_the_budget():
     sched = scheduler()
     add(sched, ["stream"], 8)
-    run(sched, 1)
+    run(sched, 2)
     add(sched, "abcdef", 8)  # 6 rows: 61.5
     assert run(sched, 2) == [("P", list("abcdef")), ("D", ["stream", *"abcdef"])]
 
@@ -82,7 +101,7 @@ def test_without_a_join_limit_prompts_share_steps_up_to_the_budget():
 def test_a_long_prompt_alternates_its_chunks_with_decode_steps():
     sched = scheduler(join_tokens=16)
     add(sched, ["stream"], 8)
-    run(sched, 1)
+    run(sched, 2)
     add(sched, ["long"], 150)  # chunks of 64 tokens, each costing more than the budget with attention
     assert [kind for kind, _ in run(sched, 6)] == ["P", "D", "P", "D", "P", "D"]
 
@@ -91,7 +110,7 @@ def test_a_prompt_is_not_cut_to_join_a_step_unless_it_goes_in_chunks_anyway():
     sched = scheduler(join_tokens=16, attention_span=float("inf"))
     add(sched, ["a"], 6)
     add(sched, ["b"], 12)  # 2 x 12 > 16: not cut to 6 tokens to join, it goes whole next step
-    assert run(sched, 2) == [("P", ["a"]), ("P", ["b"])]
+    assert run(sched, 3) == [("P", ["a"]), ("D", ["a"]), ("P", ["b"])]
     assert sched.running[1].num_cached == 12
     long = scheduler(join_tokens=16, attention_span=float("inf"), budget=20)
     add(long, ["a"], 6)

@@ -16,7 +16,6 @@ class Batch:
     is_prefill: bool
     seqs: list[Sequence]
     chunks: list[int] = field(default_factory=list)  # prefill: each row's new tokens, from its num_cached on
-    cost: float = 0.0  # prefill: its tokens padded to the widest row, plus their attention (Step)
 
 
 @dataclass
@@ -31,10 +30,6 @@ class Step:
         """Its cost in tokens with one more row: every row padded to the widest, plus attention."""
         return (self.rows + 1) * max(self.width, take) + self.attention + attention
 
-    @property
-    def cost(self) -> float:
-        return self.rows * self.width + self.attention
-
     def add(self, take: int, attention: float) -> None:
         self.rows += 1
         self.width = max(self.width, take)
@@ -46,12 +41,14 @@ class Scheduler:
 
     A step either prefills prompts' chunks or decodes every running request. A prefill step costs its
     tokens, padded to the widest row, plus their attention counted in tokens' matmuls (a chunk after a
-    long cached prefix costs more than its tokens). max_num_batched_tokens bounds what running streams
-    wait for between two decode steps: prefill steps follow each other while their summed cost stays
-    within it, and the first after a decode step always runs (a long prompt's chunk of up to
-    max_num_batched_tokens tokens). Prompts share a step while its cost stays within join_tokens:
-    where a forward costs little besides its tokens (the CPU), prompts that cost much go one a step,
-    so the first of a burst answer while the rest wait instead of all after the whole batch.
+    long cached prefix costs more than its tokens); it computes at most max_num_batched_tokens prompt
+    tokens. While streams decode, at most one prefill step runs between two of their steps, as each
+    of vLLM's steps takes every decoding stream's token and at most its budget of prompt tokens: a
+    stream never waits for more than one chunk, and prompts that arrive together start decoding a
+    step apart, so they finish apart too and the requests that follow them do not queue behind each
+    other. Prompts share a step
+    while its cost stays within join_tokens: where a forward costs little besides its tokens (the
+    CPU), prompts that cost much go one a step, so the first of a burst answers first.
 
     Decode rows never ride in a chunk's forward: every step stays one of the two shapes the engine
     runs and the profile measures, and speculation's draft steps and verification stay out of it.
@@ -71,7 +68,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._stall = 0.0  # the cost of the prefill steps that decoding streams have waited for
+        self._after_prefill = False  # the last step was a prefill: streams that decode go next
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -81,22 +78,22 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         decoding = any(s.prefilled for s in self.running)
-        prefill = self._prefill_rows(self.max_num_batched_tokens - self._stall if decoding else None)
-        if prefill.seqs:  # counted while streams decode: the ones it finishes wait from its end
-            self._stall = self._stall + prefill.cost if decoding else 0.0
-            return prefill
-        self._stall = 0.0
+        if not (decoding and self._after_prefill):
+            prefill = self._prefill_rows()
+            if prefill.seqs:
+                self._after_prefill = True
+                return prefill
+        self._after_prefill = False
         decode = self._grow_running()
         return Batch(is_prefill=False, seqs=decode) if decode else None
 
-    def _prefill_rows(self, stall_left: float | None) -> Batch:
+    def _prefill_rows(self) -> Batch:
         """Prompts being prefilled, then waiting requests admitted in order (each starting after its
-        cached prefix), as _chunk lets them in. `stall_left`: the cost the decoding streams may still
-        wait for (None: none decodes)."""
+        cached prefix), as _chunk lets them in."""
         batch, step = Batch(is_prefill=True, seqs=[], chunks=[]), Step()
         for seq in self.running:
             if not seq.prefilled:
-                take = self._chunk(len(seq) - seq.num_cached, seq.num_cached, step, stall_left)
+                take = self._chunk(len(seq) - seq.num_cached, seq.num_cached, step)
                 if not take:
                     return batch
                 self._add_row(batch, step, seq, take, seq.num_cached)
@@ -104,7 +101,7 @@ class Scheduler:
             seq = self.waiting[0]
             cached = self.blocks.cached_prefix(seq)
             start = len(cached) * self.blocks.block_size
-            take = self._chunk(len(seq) - start, start, step, stall_left)
+            take = self._chunk(len(seq) - start, start, step)
             if not take or not self.blocks.can_admit(seq, cached):
                 break
             self.waiting.popleft()
@@ -120,23 +117,18 @@ class Scheduler:
         step.add(take, self._attention(start, take))
         batch.seqs.append(seq)
         batch.chunks.append(take)
-        batch.cost = step.cost
 
-    def _chunk(self, left: int, start: int, step: Step, stall_left: float | None) -> int:
+    def _chunk(self, left: int, start: int, step: Step) -> int:
         """Tokens a row with `left` to prefill from position `start` gets in this step (0: none).
-        The first row takes all of them, or the whole budget, unless the decoding streams have
-        waited for earlier prefill steps and this one would make them wait past the budget. Other
-        rows join only while the step's cost stays within join_tokens: prompts that cost much, such
-        as chunks after a long cached prefix, are prefilled one a step, in steps that follow each
-        other, so that the first of a burst answers while the rest wait; small ones share a step.
-        A prompt longer than the budget may join with a first chunk as wide as the step."""
+        The first row takes all of them, or the whole budget. Other rows join only while the step's
+        cost stays within join_tokens: prompts that cost much, such as chunks after a long cached
+        prefix, are prefilled one a step, so that the first of a burst answers while the rest wait;
+        small ones share a step. A prompt longer than the budget may join with a first chunk as wide
+        as the step."""
         budget = self.max_num_batched_tokens
         if not step.rows:
-            take = min(left, budget)
-            if stall_left is not None and self._stall > 0 and take + self._attention(start, take) > stall_left:
-                return 0
-            return take
-        limit = min(self.join_tokens, budget if stall_left is None else stall_left)
+            return min(left, budget)
+        limit = min(self.join_tokens, budget)
         # Only a prompt that goes in chunks anyway (longer than the budget) is cut to fit.
         for take in (left, step.width) if left > budget else (left,):
             if step.cost_with(take, self._attention(start, take)) <= limit:
