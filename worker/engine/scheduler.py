@@ -46,9 +46,9 @@ class Scheduler:
     of vLLM's steps takes every decoding stream's token and at most its budget of prompt tokens: a
     stream never waits for more than one chunk, and prompts that arrive together start decoding a
     step apart, so they finish apart too and the requests that follow them do not queue behind each
-    other. Prompts share a step
-    while its cost stays within join_tokens: where a forward costs little besides its tokens (the
-    CPU), prompts that cost much go one a step, so the first of a burst answers first.
+    other. Prompts share a step while its cost stays within join_tokens: where a forward costs little
+    besides its tokens (the CPU), prompts that cost much go one a step, so the first of a burst
+    answers first.
 
     Decode rows never ride in a chunk's forward: every step stays one of the two shapes the engine
     runs and the profile measures, and speculation's draft steps and verification stay out of it.
