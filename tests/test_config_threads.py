@@ -1,9 +1,11 @@
-"""--cpu-threads: passed through to the engine's settings, validated there; serve's default."""
+"""--cpu-threads: passed through to the engine's settings, validated there; serve's defaults."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
-from worker.cli import build_parser, engine_config, serving_config
+from worker.cli import build_parser, engine_config, main
 from worker.config import EngineConfig
 
 
@@ -18,12 +20,20 @@ def test_cpu_threads_below_one_is_refused():
         EngineConfig(cpu_threads=0)
 
 
-def test_serve_leaves_a_core_to_the_server_unless_told(monkeypatch):
-    import torch
+def test_serve_and_profile_take_every_core_unless_told(monkeypatch):
     parser = build_parser()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for command in ("serve", "profile"):
-        assert serving_config(parser.parse_args([command])).cpu_threads == max(1, torch.get_num_threads() - 1)
-        assert serving_config(parser.parse_args([command, "--cpu-threads", "3"])).cpu_threads == 3
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the operator's choice, which torch already follows
-    assert serving_config(parser.parse_args(["serve"])).cpu_threads is None
+        assert engine_config(parser.parse_args([command])).cpu_threads is None  # torch's: every core
+        assert engine_config(parser.parse_args([command, "--cpu-threads", "3"])).cpu_threads == 3
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_waiting_threads_sleep_unless_the_operator_says_otherwise(monkeypatch, preset):
+    if preset is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", preset)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert os.environ["OMP_WAIT_POLICY"] == (preset or "PASSIVE")

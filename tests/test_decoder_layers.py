@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from worker.kernels import decoder_layers
+from worker.models import decoder_forward
 from worker.models.attention import build_paged_batch
 from worker.models.decoder_forward import DecoderForward
 from worker.models.loader import load_model
@@ -80,7 +81,8 @@ def test_a_token_decoded_alone_and_verified_among_a_drafts_give_the_same_bits(ch
 
 
 @needs_kernel
-def test_one_thread_and_two_give_the_same_bits(checkpoints):
+def test_one_thread_and_two_give_the_same_bits(checkpoints, monkeypatch):
+    monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", 0)  # this small step too runs on torch's threads
     model = load_model(checkpoints["mistral"], torch.float32, CPU)
     cache, prompts = prefilled(model)
     step = build_paged_batch([[7], [8], [9]], [len(p) for p in prompts], TABLES, BLOCK, 1, CPU)
@@ -160,3 +162,17 @@ def test_a_head_that_is_not_blocked_is_left_to_torch(checkpoints):
     model.fused_forward = DecoderForward(model)
     assert not model.fused_forward.has_head
     torch.testing.assert_close(forward(model, step, cache.clone(), True), blocked, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_a_small_step_runs_on_one_thread_and_a_large_one_on_torchs(checkpoints, monkeypatch):
+    model = load_model(checkpoints["llama"], torch.float32, CPU)
+    fused = model.fused_forward
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
+    decode = build_paged_batch([[7], [8], [9]], [5, 40, 17], TABLES, BLOCK, 1, CPU)
+    assert fused.threads(decode) == 1
+    work = decode.input_ids.numel() * (fused.token_work + fused.position_work * decode.gather_slots.shape[1])
+    monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", work)  # this step's work: no longer below
+    assert fused.threads(decode) == 6
+    monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", work + 1)
+    assert fused.threads(decode) == 1

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -42,8 +41,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "reuses its cached KV blocks)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                   help="torch threads on the CPU (default: OMP_NUM_THREADS when set; else every core, but "
-                        "one for the server's own threads under serve and profile)")
+                   help="threads of a step on the CPU (default: OMP_NUM_THREADS when set, else every core); "
+                        "small steps run on one")
     p.add_argument("--compile", action="store_true",
                    help="compile both models with torch.compile (inductor) at startup (minutes); the "
                         "ledger's `compiled` entry holds what it costs. Not faster on the CPU so far "
@@ -71,19 +70,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         cpu_threads=args.cpu_threads, compile=args.compile,
         compile_backend=args.compile_backend)
-
-
-def serving_config(args: argparse.Namespace) -> EngineConfig:
-    """serve's settings (profile's too: it declares serve's ledger). On the CPU torch's threads leave one
-    core to the server's own (HTTP, tokenizers), as vLLM's CPU backend does: a step's parallel regions
-    wait for their slowest thread, so a thread that shares its core with the server stalls every one
-    (1024-token prompts under a client on this 2-core host: 15 tok/s with 2 threads, 153 with 1).
-    --cpu-threads or OMP_NUM_THREADS decide instead where given."""
-    config = engine_config(args)
-    if args.cpu_threads is not None or "OMP_NUM_THREADS" in os.environ:
-        return config
-    import torch
-    return dataclasses.replace(config, cpu_threads=max(1, torch.get_num_threads() - 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     from worker.http.server import run_server
-    return run_server(serving_config(args), args)
+    return run_server(engine_config(args), args)
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -145,7 +131,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from worker.http.settings import ServerSettings
     from worker.memory.ledger import format_table, plot
 
-    config = serving_config(args)  # the ledger `serve` would declare, its requests in flight included
+    config = engine_config(args)  # the ledger `serve` would declare, its requests in flight included
     encoder = PromptEncoder()
     encoder.load(config.model)
     settings = ServerSettings(max_waiting=args.max_waiting)
@@ -186,6 +172,9 @@ def run_selfcheck(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch loads its OpenMP runtime: threads waiting at a step's barriers sleep instead of
+    # spinning, so the server's own threads and a client on the same cores get them (docs/engine.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

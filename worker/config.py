@@ -31,7 +31,7 @@ class EngineConfig:
     memory_utilization: float | None = None  # None: 0.9 on CUDA; on CPU the KV cache is capped at 2 GiB
     kv_cache_memory: int | None = None  # bytes; overrides memory_utilization
     seed: int = 0
-    cpu_threads: int | None = None  # torch threads on the CPU; None: torch's own (serve leaves a core: cli.py)
+    cpu_threads: int | None = None  # threads of a step on the CPU; None: torch's own (every core)
     compile: bool = False  # torch.compile both models at startup (worker/models/compiled.py)
     compile_backend: str = "inductor"  # one of COMPILE_BACKENDS
 

@@ -63,11 +63,12 @@ def available() -> bool:
 def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, ids: torch.Tensor,
                     positions: torch.Tensor, write_slots: torch.Tensor, write_rows: torch.Tensor | None,
                     keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                    logits_index: torch.Tensor, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    logits_index: torch.Tensor, prefill: bool = False,
+                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ids, positions [B, Q]; write_slots [n] where tokens write_rows [n] of the flattened [B * Q] (None:
     the first n) store their keys and values; keys, values [layers, slots, kvH, D], dense; slots [B, C]
     the cache slot of each context position; lengths [B]; prefill: the tokens are a prompt's (its chunk's
-    attention kernel), else generated ones (decode and verify). Returns the last layer's output x [B, Q,
+    attention kernel), else generated ones (decode and verify); threads: the call's (None: torch's). Returns the last layer's output x [B, Q,
     hidden] and the logits [B, n, vocab] at logits_index [B, n] (None where ends.head is None)."""
     B, Q = ids.shape
     n, M, D = logits_index.shape[1], B * Q, dims.head_dim
@@ -84,5 +85,6 @@ def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, ids: to
               write_slots.data_ptr(), write_slots.numel(), keys.data_ptr(), values.data_ptr(),
               keys[0].numel(), slots.data_ptr(), positions.data_ptr(), lengths.data_ptr(), slots.shape[1],
               paged_attention.scale(D), logits_index.data_ptr(), n,
-              None if logits is None else logits.data_ptr(), int(prefill), work.data_ptr(), torch.get_num_threads())
+              None if logits is None else logits.data_ptr(), int(prefill), work.data_ptr(),
+              threads or torch.get_num_threads())
     return x, logits

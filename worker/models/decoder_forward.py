@@ -7,6 +7,12 @@ import torch
 from worker.kernels import blocked_linear, decoder_layers, paged_attention, prefill_attention
 from worker.models.attention import PagedBatch
 
+# Multiply-adds below which a step runs on one thread. Each layer's stages meet at ~10 barriers; a
+# second thread woken at each one (OpenMP's passive waiting, cli.py) costs more than it takes on a
+# small step: in a server at one stream, 1 row decoded on 2 threads took ~1.8x as long as on 1, while
+# 8 rows at 1072 positions (~77 M) and prompt chunks gain from 2 (docs/engine.md).
+ONE_THREAD_WORK = 48e6
+
 
 class DecoderForward:
     """A model's weights' addresses, taken once (the tensors are held here, so an address never
@@ -33,6 +39,10 @@ class DecoderForward:
         self.has_head = blocked_linear.is_blocked(head)
         ends = (model.model.embed_tokens.weight, model.rotary.inv_freq, model.model.norm.weight, head)
         self.tensors += ends
+        # A token's multiply-adds in the matmuls, and per context position in attention (scores and values).
+        self.token_work = sum(getattr(m, name).numel() for m, name, _ in model.projections()[:-1]) + \
+            (head.numel() if self.has_head else 0)
+        self.position_work = 2 * self.dims.heads * self.dims.head_dim * len(layers)
         self.ends = decoder_layers.Ends(ends[0].data_ptr(), ends[1].data_ptr(), model.rotary.scaling,
                                         ends[2].data_ptr(), head.data_ptr() if self.has_head else None,
                                         config.vocab_size)
@@ -62,4 +72,11 @@ class DecoderForward:
         return decoder_layers.decoder_forward(
             self.layers, self.ends, self.dims, batch.input_ids, batch.positions, batch.write_slots,
             batch.write_rows, kv_cache[0], kv_cache[1], batch.gather_slots, batch.context_lens,
-            batch.logits_index, batch.prefill)
+            batch.logits_index, batch.prefill, self.threads(batch))
+
+    def threads(self, batch: PagedBatch) -> int:
+        """One thread for a small step, else torch's: by the step's multiply-adds, each token over the
+        widest row's context."""
+        tokens = batch.input_ids.numel()
+        work = tokens * (self.token_work + self.position_work * batch.gather_slots.shape[1])
+        return 1 if work < ONE_THREAD_WORK else torch.get_num_threads()
