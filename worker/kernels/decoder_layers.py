@@ -68,8 +68,9 @@ def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, ids: to
     """ids, positions [B, Q]; write_slots [n] where tokens write_rows [n] of the flattened [B * Q] (None:
     the first n) store their keys and values; keys, values [layers, slots, kvH, D], dense; slots [B, C]
     the cache slot of each context position; lengths [B]; prefill: the tokens are a prompt's (its chunk's
-    attention kernel), else generated ones (decode and verify); threads: the call's (None: torch's). Returns the last layer's output x [B, Q,
-    hidden] and the logits [B, n, vocab] at logits_index [B, n] (None where ends.head is None)."""
+    attention kernel), else generated ones (decode and verify); threads: the call's (None: torch's).
+    Returns the last layer's output x [B, Q, hidden] and the logits [B, n, vocab] at logits_index [B, n]
+    (None where ends.head is None)."""
     B, Q = ids.shape
     n, M, D = logits_index.shape[1], B * Q, dims.head_dim
     f32, device = torch.float32, keys.device

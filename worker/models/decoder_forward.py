@@ -9,7 +9,7 @@ from worker.models.attention import PagedBatch
 
 # Multiply-adds below which a step runs on one thread. Each layer's stages meet at ~10 barriers; a
 # second thread woken at each one (OpenMP's passive waiting, cli.py) costs more than it takes on a
-# small step: in a server at one stream, 1 row decoded on 2 threads took ~1.8x as long as on 1, while
+# small step: in a server at one stream, 1 row decoded on 2 threads took ~1.7x as long as on 1, while
 # 8 rows at 1072 positions (~77 M) and prompt chunks gain from 2 (docs/engine.md).
 ONE_THREAD_WORK = 48e6
 
