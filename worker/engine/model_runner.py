@@ -33,11 +33,9 @@ class ModelRunner:
 
     def attention_span(self) -> float:
         """Context positions one token's attention reads for as many multiply-adds as its matmuls
-        in a layer of the target (scores and weighted values: 2 per position per head and dim)."""
-        target = self.models["target"]
-        attention = target.model.layers[0].self_attn
-        matmuls = sum(getattr(module, weight).numel() for module, weight, _ in target.projections()[:4])
-        return matmuls / (2 * attention.num_heads * attention.head_dim)
+        in the target's layers (token_work)."""
+        matmuls, attention = self.models["target"].token_work()
+        return matmuls / attention
 
     def narrowest_gathered_chunk(self, context: int) -> int:
         """The fewest new tokens a prompt's chunk over `context` positions has when some model's

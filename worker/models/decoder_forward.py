@@ -39,10 +39,8 @@ class DecoderForward:
         self.has_head = blocked_linear.is_blocked(head)
         ends = (model.model.embed_tokens.weight, model.rotary.inv_freq, model.model.norm.weight, head)
         self.tensors += ends
-        # A token's multiply-adds in the matmuls, and per context position in attention (scores and values).
-        self.token_work = sum(getattr(m, name).numel() for m, name, _ in model.projections()[:-1]) + \
-            (head.numel() if self.has_head else 0)
-        self.position_work = 2 * self.dims.heads * self.dims.head_dim * len(layers)
+        self.token_work, self.position_work = model.token_work()  # a step's size picks its threads
+        self.token_work += head.numel() if self.has_head else 0
         self.ends = decoder_layers.Ends(ends[0].data_ptr(), ends[1].data_ptr(), model.rotary.scaling,
                                         ends[2].data_ptr(), head.data_ptr() if self.has_head else None,
                                         config.vocab_size)

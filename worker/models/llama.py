@@ -252,6 +252,13 @@ class CausalLM(nn.Module):
                       (mlp, "gate_up_weight", "gate_up_bias"), (mlp.down_proj, "weight", "bias")]
         return found + [(self.lm_head, "weight", None)]
 
+    def token_work(self) -> tuple[int, int]:
+        """A token's multiply-adds over every layer: in the matmuls (the head aside), and in attention
+        per context position (scores and weighted values: 2 per head and dim)."""
+        matmuls = sum(getattr(module, weight).numel() for module, weight, _ in self.projections()[:-1])
+        attention = self.model.layers[0].self_attn
+        return matmuls, 2 * attention.num_heads * attention.head_dim * len(self.model.layers)
+
     def pack_linears(self) -> None:
         """Projection weights packed for the CPU's matmuls (packed_linear.py), one at a time:
         each plain weight is freed as its packed copy is made. A no-op off the CPU.
