@@ -7,7 +7,7 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.speculation import CATCH_UP_CHUNK, Speculation
+from worker.engine.speculation import Speculation
 from worker.models.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -60,27 +60,56 @@ def test_greedy_with_k_changing_every_step_equals_greedy_plain(checkpoints, batc
 
 def test_a_dormant_draft_reads_nothing_until_a_step_proposes(checkpoints):
     """Neither prefill nor plain steps run a dormant draft, however far behind it falls; the next
-    step that proposes first feeds it what it missed, CATCH_UP_CHUNK tokens a row per forward, and
-    its proposals are still the target's own tokens (all accepted) and exact."""
-    params = SamplingParams(max_tokens=3 * CATCH_UP_CHUNK + 8, temperature=0, ignore_eos=True)
+    step that proposes first feeds it what it missed (every row is more than CATCH_UP_AFTER tokens
+    behind), as one prompt chunk a row up to its last token, and its proposals are still the
+    target's own tokens (all accepted) and exact."""
+    plain_steps = 40
+    params = SamplingParams(max_tokens=plain_steps + 8, temperature=0, ignore_eos=True)
     plain = engine(checkpoints["llama"]).generate(prompts(4), params)
     spec = engine(checkpoints["llama"], checkpoints["llama"])
-    spec.speculation = Scripted([0] * (3 * CATCH_UP_CHUNK) + [2])
+    spec.speculation = Scripted([0] * plain_steps + [2])
     spec.speculation.current = 0  # asleep from the start: the prompts' prefill leaves the draft out
     draft_reads, forward = [], spec.runner.forward
 
-    def forward_and_record(name, rows, *args, **kw):
+    def forward_and_record(name, rows, starts, *args, prefill=False, **kw):
         if name == "draft":
-            draft_reads.append((spec.speculation.current, max(map(len, rows))))
-        return forward(name, rows, *args, **kw)
+            draft_reads.append((spec.speculation.current, [len(r) for r in rows], list(starts), prefill))
+        return forward(name, rows, starts, *args, prefill=prefill, **kw)
 
     spec.runner.forward = forward_and_record
     assert [r[0] for r in spec.generate(prompts(4), params)] == [r[0] for r in plain]
     assert spec.stats.acceptance_rate == 1.0 and spec.stats.drafts == 4
-    assert all(k == 2 for k, _ in draft_reads)  # only in the step that proposes
-    assert max(n for _, n in draft_reads) == CATCH_UP_CHUNK
-    # The longest row is 17 + 1 + 48 = 66 tokens behind: 4 chunks leave 2 for the first of 2 proposals.
-    assert len(draft_reads) == 4 + 2
+    assert all(k == 2 for k, *_ in draft_reads)  # only in the step that proposes
+    # The catch-up reads every row from 0 up to its last token in one prefill forward (4 rows well
+    # within the token budget); then 2 proposals read one token a row each, the first from there.
+    (_, caught_up, zeros, prefill), (_, first, last, _), (_, second, _, _) = draft_reads
+    assert prefill and zeros == [0] * 4 and caught_up == last and min(last) > plain_steps
+    assert first == second == [1] * 4
+
+
+def test_rows_sharing_a_prefix_catch_up_on_it_once(checkpoints):
+    """A dormant draft behind 4 requests that share a 64-token cached prefix: the catch-up writes the
+    prefix's blocks for one row, the others skip them and read only their own tokens, and the
+    proposals are the target's own tokens (all accepted)."""
+    prefix = list(range(10, 74))  # 4 full blocks
+    rows = [prefix + [100 + i, 200 + i, 300 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reference = engine(checkpoints["llama"]).generate(rows, params)
+    spec = engine(checkpoints["llama"], checkpoints["llama"])
+    spec.speculation = Scripted([0] * 4 + [2])
+    spec.speculation.current = 0
+    caught_up, proposed_from, forward = [], [], spec.runner.forward
+
+    def forward_and_record(name, rows_, starts, *args, prefill=False, **kw):
+        if name == "draft" and not proposed_from:  # the first proposing step's catch-up, then its proposals
+            (caught_up if prefill else proposed_from).append((sum(map(len, rows_)), starts))
+        return forward(name, rows_, starts, *args, prefill=prefill, **kw)
+
+    spec.runner.forward = forward_and_record
+    assert [r[0] for r in spec.generate(rows, params)] == [r[0] for r in reference]
+    assert spec.stats.acceptance_rate == 1.0
+    behind = proposed_from[0][1]  # where the first proposals read: every row caught up from 0 to there
+    assert len(behind) == 4 and sum(n for n, _ in caught_up) == sum(behind) - 3 * len(prefix)
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])

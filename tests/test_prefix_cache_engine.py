@@ -6,7 +6,6 @@ from test_engine import Scripted
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.speculation import CATCH_UP_CHUNK
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -57,7 +56,7 @@ def test_a_prefix_cached_while_the_draft_slept_is_read_by_the_draft_before_it_pr
     """The first request runs plain (a dormant draft reads nothing); the second takes its cached
     blocks for the target, and the draft, which never wrote them, catches up before its proposals:
     the target as its own draft accepts them all."""
-    params = SamplingParams(max_tokens=2 * CATCH_UP_CHUNK, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     reference = outputs(engine(checkpoints["llama"]), PROMPTS[:2], params)
     spec = engine(checkpoints["llama"], checkpoints["llama"])
     spec.speculation = Scripted([0])

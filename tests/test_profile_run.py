@@ -5,11 +5,11 @@ import torch
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.profile_run import prefill_shapes, profile_blocks, run_worst_case
-from worker.engine.speculation import CATCH_UP_CHUNK
+from worker.engine.speculation import CATCH_UP_AFTER
 from worker.models.loader import load_model
 
 
-@pytest.mark.parametrize("speculation, behind", [("fixed", 2), ("adaptive", CATCH_UP_CHUNK)])
+@pytest.mark.parametrize("speculation, behind", [("fixed", 2), ("adaptive", CATCH_UP_AFTER)])
 def test_decode_step_proposes_k_after_the_longest_catch_up(checkpoints, speculation, behind):
     cpu = torch.device("cpu")
     config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"], max_model_len=64,

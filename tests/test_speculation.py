@@ -9,6 +9,7 @@ from worker.engine.speculation import (
     Acceptance,
     AdaptiveSpeculation,
     Speculation,
+    bucket,
     expected_tokens,
     speculation_policy,
 )
@@ -118,9 +119,13 @@ def test_k_never_exceeds_the_bound_and_proposals_never_stop_for_long(policy):
 def test_probes_back_off_while_plain_wins_and_return_when_proposals_pay(policy):
     spec, clock = policy
     chosen = drive(spec, clock, 4000, 8, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(9))
-    probes = [i for i, k in enumerate(chosen) if k][2:]  # after the two steps that first measure K
-    # Each probe wakes the dormant draft (it reads every token since the last): rarer each time.
-    assert [b - a for a, b in zip(probes, probes[1:])] == [64, 128, 256, 512] + [MAX_PROBE_EVERY] * 2
+    proposing = [i for i, k in enumerate(chosen) if k][2:]  # after the two steps that first measure K
+    # A probe of a k not measured yet is two steps (the first is warm-up); each probe wakes the dormant
+    # draft (it reads every token since the last): rarer each time.
+    starts = [i for i in proposing if i - 1 not in proposing]
+    ends = [i for i in proposing if i + 1 not in proposing]
+    assert all(end - start <= 1 for start, end in zip(starts, ends))
+    assert [b - a for a, b in zip(ends, starts[1:])] == [64, 128, 256, 512] + [MAX_PROBE_EVERY] * 2
     assert spec.current == 0
     chosen = drive(spec, clock, 2 * MAX_PROBE_EVERY, 8, step_cost(0.05, 1.0, 0.02), 0.95, random.Random(9))
     assert spec.current == K
@@ -134,6 +139,17 @@ def test_a_slow_first_step_is_not_taken_as_the_cost(policy):
     drive(spec, clock, 150, 1, lambda k: cost(k) * (1000 if k == 0 and clock.now < 10 else 1), 0.0,
           random.Random(6))
     assert spec.current == 0  # k=0's warm-up (1000x) is left out
+
+
+def test_a_k_first_tried_is_measured_on_the_next_step_too(policy):
+    """Its first step is warm-up, left out: the next step of that bucket runs the same k, while a
+    dormant draft's probe has it caught up, rather than paying another catch-up a probe later."""
+    spec, clock = policy
+    chosen = drive(spec, clock, 2000, 8, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(9))
+    first = {k: chosen.index(k) for k in set(chosen)}
+    assert set(first) == set(range(K + 1))
+    assert all(chosen[i + 1] == k for k, i in first.items())
+    assert all(spec.costs.known(bucket(8), k) for k in first)
 
 
 def test_fixed_and_draftless_policies():

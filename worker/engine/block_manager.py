@@ -139,6 +139,17 @@ class BlockManager:
             self._draft_written[seq.block_table[i]] = True
         seq.num_drafted_blocks = max(seq.num_drafted_blocks, drafted)
 
+    def skip_drafted(self, seq: Sequence) -> None:
+        """Move seq's draft past the full blocks at its position whose draft keys and values another
+        request's draft already wrote (a shared prefix it is catching up on)."""
+        if seq.num_draft_cached % self.block_size:
+            return
+        i, full = seq.num_draft_cached // self.block_size, seq.num_cached // self.block_size
+        while i < full and self._draft_written[seq.block_table[i]]:
+            i += 1
+        seq.num_draft_cached = max(seq.num_draft_cached, i * self.block_size)
+        seq.num_drafted_blocks = max(seq.num_drafted_blocks, i)
+
     # -- one block --------------------------------------------------------------------------------
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:

@@ -22,7 +22,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify_logits
-from worker.engine.speculation import CATCH_UP_CHUNK, speculation_policy
+from worker.engine.speculation import CATCH_UP_AFTER, speculation_policy
 from worker.memory.device import get_device
 from worker.memory.ledger import Ledger, format_table, summary_line
 from worker.memory.profiler import collecting_only_new_objects, measure_held, measure_weights
@@ -236,16 +236,30 @@ class LLMEngine:
         return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
     def _draft_catch_up(self, seqs: list[Sequence]) -> None:
-        """The draft reads what it missed while dormant (no logits), CATCH_UP_CHUNK tokens a row
-        per forward, until every row is at most that far behind: the first proposal reads the
-        rest, a shape the profile ran. Its time is left out of the step's cost."""
+        """The draft reads what it missed while dormant (no logits), where a row lags more than
+        CATCH_UP_AFTER tokens: up to its last token, which its first proposal reads, in prompt chunks
+        within the prefill's token budget. Rows that share cached blocks read them once: one writes
+        a block, the others skip it. Its time is left out of the step's cost."""
         with self.speculation.uncounted():
-            while behind := [s for s in seqs if len(s) - s.num_draft_cached > CATCH_UP_CHUNK]:
-                starts = [s.num_draft_cached for s in behind]
-                self.runner.forward("draft", [s.token_ids[n:n + CATCH_UP_CHUNK] for s, n in zip(behind, starts)],
-                                    starts, [s.block_table for s in behind], 0)
-                for s in behind:
-                    s.num_draft_cached += CATCH_UP_CHUNK
+            while rows := self._behind_the_target(seqs):
+                width = max(1, self.config.max_num_batched_tokens // len(rows))
+                starts = [s.num_draft_cached for s in rows]
+                chunks = [min(width, len(s) - 1 - n) for s, n in zip(rows, starts)]
+                self.runner.forward("draft", [s.token_ids[n:n + c] for s, n, c in zip(rows, starts, chunks)],
+                                    starts, [s.block_table for s in rows], 0, prefill=True)
+                for s, c in zip(rows, chunks):
+                    s.num_draft_cached += c
+                    self.blocks.commit(s)  # marks its full blocks drafted, for the rows that share them
+
+    def _behind_the_target(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The rows whose draft lags more than CATCH_UP_AFTER tokens, one per block it writes next:
+        rows that share that block wait, then skip it."""
+        rows: dict[int, Sequence] = {}
+        for s in seqs:
+            self.blocks.skip_drafted(s)
+            if len(s) - s.num_draft_cached > CATCH_UP_AFTER:
+                rows.setdefault(s.block_table[s.num_draft_cached // self.config.block_size], s)
+        return list(rows.values())
 
     def _decode_speculative(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[int], list]:
         self._draft_catch_up(seqs)

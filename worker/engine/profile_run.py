@@ -11,7 +11,7 @@ from worker.engine.sampler import RowParams, draw, propose
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify_logits
-from worker.engine.speculation import CATCH_UP_CHUNK
+from worker.engine.speculation import CATCH_UP_AFTER
 
 # Sampling with top-k and top-p takes the most memory (a sort of the vocabulary).
 WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
@@ -69,8 +69,9 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
         draw(logits, rp)
         return
     # The first draft step reads the bonus token and the token before it or, with adaptive
-    # speculation, what is left of the draft's catch-up after plain steps (up to a chunk).
-    behind = min(longest, CATCH_UP_CHUNK if config.speculation == "adaptive" else 2)
+    # speculation, what a draft behind after plain steps has not caught up on (its catch-up runs as
+    # prefill chunks, shapes the prefill steps above cover).
+    behind = min(longest, CATCH_UP_AFTER if config.speculation == "adaptive" else 2)
     draft_probs, drafts = [], []
     for i in range(k):
         rows_i = [[1] * behind] * B if i == 0 else [[1]] * B

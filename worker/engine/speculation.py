@@ -20,7 +20,8 @@ from contextlib import contextmanager
 PROBE_EVERY = 32  # steps of a bucket between probes of another k: costs drift with context and load
 PROBE_BACKOFF = 2  # while plain wins, each probe waits this many times longer than the last,
 MAX_PROBE_EVERY = 1024  # up to this many steps: a dormant draft's probe reads every token since the last
-CATCH_UP_CHUNK = 16  # tokens per row one draft forward reads when it catches up (the profile runs it)
+CATCH_UP_AFTER = 16  # tokens a draft may lag for its first proposal to read them (the profile runs it);
+# further behind, it catches up first
 COST_WINDOW = 5  # step times kept per (bucket, k): a slow step (contention, warm-up) is outlived
 MIN_GAIN = 1.1  # a dormant draft wakes only when proposals promise this many times plain's tokens per
 # second: waking costs its catch-up, and near break-even the estimates' noise (costs measured minutes
@@ -64,10 +65,13 @@ class StepCosts:
     def __init__(self) -> None:
         self._seen: set[tuple[int, int]] = set()
         self._times: dict[int, dict[int, deque[float]]] = {}
+        self.unmeasured: tuple[int, int] | None = None  # (bucket, k) of the latest step, when discarded
 
     def observe(self, bucket_: int, k: int, seconds_per_row: float) -> None:
+        self.unmeasured = None
         if (bucket_, k) not in self._seen:
             self._seen.add((bucket_, k))  # a first step pays for warm-up (allocations, compilation)
+            self.unmeasured = (bucket_, k)
             return
         self._times.setdefault(bucket_, {}).setdefault(k, deque(maxlen=COST_WINDOW)).append(seconds_per_row)
 
@@ -166,6 +170,8 @@ class AdaptiveSpeculation(Speculation):
 
     def choose(self, batch_size: int) -> int:
         b, K = bucket(batch_size), self.max_k
+        if self.costs.unmeasured is not None and self.costs.unmeasured[0] == b:
+            return self.costs.unmeasured[1]  # again, now: a probe's draft is caught up for this step alone
         probes = self._probes.setdefault(b, ProbeSchedule())
         # Both ends are measured first (K also measures acceptance): the costs between are interpolated.
         # Awake, K goes first; dormant, plain does, and K waits for the bucket's first probe, as waking costs.
