@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from worker.cli import build_parser, engine_config, main
+from worker.cli import SPIN_BEFORE_SLEEP, build_parser, engine_config, main
 from worker.config import EngineConfig
 
 
@@ -28,12 +28,23 @@ def test_serve_and_profile_take_every_core_unless_told(monkeypatch):
         assert engine_config(parser.parse_args([command, "--cpu-threads", "3"])).cpu_threads == 3
 
 
-@pytest.mark.parametrize("preset", [None, "ACTIVE"])
-def test_waiting_threads_sleep_unless_the_operator_says_otherwise(monkeypatch, preset):
-    if preset is None:
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    else:
+@pytest.mark.parametrize("preset", [None, "ACTIVE", "PASSIVE"])
+def test_waiting_threads_spin_briefly_then_sleep_unless_the_operator_says_otherwise(monkeypatch, preset):
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):  # set, then removed: undone after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    if preset is not None:
         monkeypatch.setenv("OMP_WAIT_POLICY", preset)
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
-    assert os.environ["OMP_WAIT_POLICY"] == (preset or "PASSIVE")
+    assert os.environ.get("OMP_WAIT_POLICY") == preset
+    assert os.environ.get("GOMP_SPINCOUNT") == (None if preset else str(SPIN_BEFORE_SLEEP))
+
+
+def test_an_operators_spin_count_is_kept(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "INFINITE")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert os.environ["GOMP_SPINCOUNT"] == "INFINITE"

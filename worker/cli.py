@@ -11,6 +11,10 @@ from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, 
 from worker.http.settings import SHUTDOWN_MARGIN
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
+# libgomp's busy-wait checks before a waiting thread sleeps (GOMP_SPINCOUNT): enough for the barriers
+# inside a step's forward, far less than the time between steps.
+SPIN_BEFORE_SLEEP = 3000
+
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="target checkpoint directory (default: shipped pair)")
@@ -172,9 +176,11 @@ def run_selfcheck(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before torch loads its OpenMP runtime: threads waiting at a step's barriers sleep instead of
-    # spinning, so the server's own threads and a client on the same cores get them (docs/engine.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads its OpenMP runtime: threads waiting at a step's barriers spin briefly, then
+    # sleep. A stage's wait ends within the spin; between steps the server's own threads and a
+    # client on the same cores get the core (docs/engine.md). The operator's own setting wins.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_BEFORE_SLEEP))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
