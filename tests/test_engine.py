@@ -58,6 +58,19 @@ def test_greedy_with_k_changing_every_step_equals_greedy_plain(checkpoints, batc
     assert spec.stats.draft_tokens < 4 * spec.stats.drafts  # steps did propose fewer than K
 
 
+def record_draft_reads(spec):
+    """Every draft forward from now on: (the policy's k, each row's tokens, starts, prefill)."""
+    reads, forward = [], spec.runner.forward
+
+    def forward_and_record(name, rows, starts, *args, prefill=False, **kw):
+        if name == "draft":
+            reads.append((spec.speculation.current, [len(r) for r in rows], list(starts), prefill))
+        return forward(name, rows, starts, *args, prefill=prefill, **kw)
+
+    spec.runner.forward = forward_and_record
+    return reads
+
+
 def test_a_dormant_draft_reads_nothing_until_a_step_proposes(checkpoints):
     """Neither prefill nor plain steps run a dormant draft, however far behind it falls; the next
     step that proposes first feeds it what it missed (every row is more than CATCH_UP_AFTER tokens
@@ -69,14 +82,7 @@ def test_a_dormant_draft_reads_nothing_until_a_step_proposes(checkpoints):
     spec = engine(checkpoints["llama"], checkpoints["llama"])
     spec.speculation = Scripted([0] * plain_steps + [2])
     spec.speculation.current = 0  # asleep from the start: the prompts' prefill leaves the draft out
-    draft_reads, forward = [], spec.runner.forward
-
-    def forward_and_record(name, rows, starts, *args, prefill=False, **kw):
-        if name == "draft":
-            draft_reads.append((spec.speculation.current, [len(r) for r in rows], list(starts), prefill))
-        return forward(name, rows, starts, *args, prefill=prefill, **kw)
-
-    spec.runner.forward = forward_and_record
+    draft_reads = record_draft_reads(spec)
     assert [r[0] for r in spec.generate(prompts(4), params)] == [r[0] for r in plain]
     assert spec.stats.acceptance_rate == 1.0 and spec.stats.drafts == 4
     assert all(k == 2 for k, *_ in draft_reads)  # only in the step that proposes
@@ -98,18 +104,13 @@ def test_rows_sharing_a_prefix_catch_up_on_it_once(checkpoints):
     spec = engine(checkpoints["llama"], checkpoints["llama"])
     spec.speculation = Scripted([0] * 4 + [2])
     spec.speculation.current = 0
-    caught_up, proposed_from, forward = [], [], spec.runner.forward
-
-    def forward_and_record(name, rows_, starts, *args, prefill=False, **kw):
-        if name == "draft" and not proposed_from:  # the first proposing step's catch-up, then its proposals
-            (caught_up if prefill else proposed_from).append((sum(map(len, rows_)), starts))
-        return forward(name, rows_, starts, *args, prefill=prefill, **kw)
-
-    spec.runner.forward = forward_and_record
+    draft_reads = record_draft_reads(spec)
     assert [r[0] for r in spec.generate(rows, params)] == [r[0] for r in reference]
     assert spec.stats.acceptance_rate == 1.0
-    behind = proposed_from[0][1]  # where the first proposals read: every row caught up from 0 to there
-    assert len(behind) == 4 and sum(n for n, _ in caught_up) == sum(behind) - 3 * len(prefix)
+    first = next(i for i, (*_, prefill) in enumerate(draft_reads) if not prefill)  # the first proposals
+    behind = draft_reads[first][2]  # where they read: every row caught up from 0 to there
+    caught_up = sum(sum(lengths) for _, lengths, _, _ in draft_reads[:first])
+    assert len(behind) == 4 and caught_up == sum(behind) - 3 * len(prefix)
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])

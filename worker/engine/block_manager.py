@@ -139,16 +139,18 @@ class BlockManager:
             self._draft_written[seq.block_table[i]] = True
         seq.num_drafted_blocks = max(seq.num_drafted_blocks, drafted)
 
-    def skip_drafted(self, seq: Sequence) -> None:
+    def skip_drafted(self, seq: Sequence) -> int:
         """Move seq's draft past the full blocks at its position whose draft keys and values another
-        request's draft already wrote (a shared prefix it is catching up on)."""
-        if seq.num_draft_cached % self.block_size:
-            return
-        i, full = seq.num_draft_cached // self.block_size, seq.num_cached // self.block_size
-        while i < full and self._draft_written[seq.block_table[i]]:
-            i += 1
-        seq.num_draft_cached = max(seq.num_draft_cached, i * self.block_size)
-        seq.num_drafted_blocks = max(seq.num_drafted_blocks, i)
+        request's draft already wrote (a shared prefix it is catching up on). Returns the block the
+        draft writes next."""
+        i = seq.num_draft_cached // self.block_size
+        if seq.num_draft_cached % self.block_size == 0:
+            full = seq.num_cached // self.block_size
+            while i < full and self._draft_written[seq.block_table[i]]:
+                i += 1
+            seq.num_draft_cached = max(seq.num_draft_cached, i * self.block_size)
+            seq.num_drafted_blocks = max(seq.num_drafted_blocks, i)
+        return seq.block_table[i]
 
     # -- one block --------------------------------------------------------------------------------
     def _hold(self, block: int) -> None:

@@ -256,9 +256,9 @@ class LLMEngine:
         rows that share that block wait, then skip it."""
         rows: dict[int, Sequence] = {}
         for s in seqs:
-            self.blocks.skip_drafted(s)
+            block = self.blocks.skip_drafted(s)
             if len(s) - s.num_draft_cached > CATCH_UP_AFTER:
-                rows.setdefault(s.block_table[s.num_draft_cached // self.config.block_size], s)
+                rows.setdefault(block, s)
         return list(rows.values())
 
     def _decode_speculative(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[int], list]:
