@@ -262,3 +262,17 @@ def test_min_tokens_holds_back_end_of_text_and_stop_token_ids_end_the_request(ch
     (held, _, reason), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=30, temperature=0, min_tokens=10))
     assert stop_id not in held[:10] and len(held) > 10
     assert reason == "length" or held[-1] == stop_id
+
+
+def test_a_batch_reuses_its_sampling_settings_only_while_its_rows_are_the_same(checkpoints):
+    eng = engine(checkpoints["llama"])
+    sampled = SamplingParams(max_tokens=4, temperature=0.8)
+    ids = [eng.add_request(p, sampled) for p in prompts(2)]
+    ids.append(eng.add_request(prompts(3)[2], SamplingParams(max_tokens=4, temperature=0.8, seed=7)))
+    a, b, seeded = (eng._seqs[i] for i in ids)
+    rows = eng._rows([a, b])
+    assert eng._rows([a, b]) is rows
+    reordered = eng._rows([seeded, a])
+    assert reordered is not rows and reordered.generators == [eng._generators[ids[2]], None]
+    penalized = eng._seqs[eng.add_request(prompts(1)[0], SamplingParams(max_tokens=4, repetition_penalty=1.2))]
+    assert eng._rows([a, penalized]) is not eng._rows([a, penalized])  # a history changes every step

@@ -100,6 +100,7 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._shared_generator = torch.Generator(self.device.torch_device).manual_seed(config.seed)
         self._ids = itertools.count()
+        self._last_rows: tuple[list[Sequence], RowParams] | None = None
 
     def _load(self, role: str, path: str, bar) -> CausalLM:
         bar.set_postfix_str(f"loading the {role} model")
@@ -167,11 +168,23 @@ class LLMEngine:
         return outputs
 
     def _rows(self, seqs: list[Sequence]) -> RowParams:
+        """The batch's sampling settings; those of the last step when its rows are the same requests
+        and no row has a history (a request's settings never change; a history does every step)."""
         params, outputs = [s.params for s in seqs], [s.output_token_ids for s in seqs]
-        history = History(params, [s.prompt_token_ids for s in seqs], outputs, self.eos_token_ids,
-                          self.vocab_size, self.device.torch_device) if History.needed(params, outputs) else None
-        return RowParams(params, [self._generators.get(s.request_id) for s in seqs], self.device.torch_device,
-                         history, self._shared_generator)
+        if History.needed(params, outputs):
+            history = History(params, [s.prompt_token_ids for s in seqs], outputs, self.eos_token_ids,
+                              self.vocab_size, self.device.torch_device)
+            return RowParams(params, self._row_generators(seqs), self.device.torch_device, history,
+                             self._shared_generator)
+        last = self._last_rows
+        if last is None or len(last[0]) != len(seqs) or any(a is not b for a, b in zip(last[0], seqs)):
+            # The rows are held, so that an identity compared next step is never another request's.
+            last = self._last_rows = (list(seqs), RowParams(params, self._row_generators(seqs),
+                                                            self.device.torch_device, None, self._shared_generator))
+        return last[1]
+
+    def _row_generators(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
+        return [self._generators.get(s.request_id) for s in seqs]
 
     def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> list:
         """Per row, the target's log-probabilities of tokens [B, P] under logits [B, P, V] (None: not asked)."""
@@ -195,7 +208,7 @@ class LLMEngine:
         """Each row's next chunk of prompt; rows whose prompt this completes draw their first token.
         Returns those rows, their tokens and logprobs."""
         starts = [s.num_cached for s in seqs]
-        rows = [s.token_ids[n:n + c] for s, n, c in zip(seqs, starts, chunks)]
+        rows = [s.tokens_from(n, n + c) for s, n, c in zip(seqs, starts, chunks)]
         tables = [s.block_table for s in seqs]
         logits = self.runner.forward("target", rows, starts, tables, 1, prefill=True)[:, 0]
         # A dormant draft reads when it proposes; so does one behind the target (cached blocks it never
@@ -226,7 +239,7 @@ class LLMEngine:
         return seqs, [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
     def _decode_plain(self, seqs: list[Sequence]) -> tuple[list[list[int]], list]:
-        rows = [[s.token_ids[-1]] for s in seqs]
+        rows = [[s.last_token_id] for s in seqs]
         logits = self.runner.forward("target", rows, [len(s) - 1 for s in seqs],
                                      [s.block_table for s in seqs], 1)[:, 0]
         for s in seqs:
@@ -245,7 +258,7 @@ class LLMEngine:
                 width = max(1, self.config.max_num_batched_tokens // len(rows))
                 starts = [s.num_draft_cached for s in rows]
                 chunks = [min(width, len(s) - 1 - n) for s, n in zip(rows, starts)]
-                self.runner.forward("draft", [s.token_ids[n:n + c] for s, n, c in zip(rows, starts, chunks)],
+                self.runner.forward("draft", [s.tokens_from(n, n + c) for s, n, c in zip(rows, starts, chunks)],
                                     starts, [s.block_table for s in rows], 0, prefill=True)
                 for s, c in zip(rows, chunks):
                     s.num_draft_cached += c
@@ -269,7 +282,7 @@ class LLMEngine:
         rp = self._rows(seqs)
         # Propose: k draft steps; the first also reads the tokens the draft has not seen
         # (the bonus token, or the last of a catch-up).
-        rows = [s.token_ids[s.num_draft_cached:] for s in seqs]
+        rows = [s.tokens_from(s.num_draft_cached) for s in seqs]
         starts = [s.num_draft_cached for s in seqs]
         feed = None
         draft_probs: list[torch.Tensor] = []
@@ -282,7 +295,7 @@ class LLMEngine:
             rows, starts, feed = [[0]] * B, [n + i for n in lens], d[:, None]
         drafts = torch.stack(draft_tokens, 1)  # [B, k]
         # Verify: the target scores the last token and the k proposals in one forward.
-        last = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)[:, None]
+        last = torch.tensor([s.last_token_id for s in seqs], device=dev)[:, None]
         logits = self.runner.forward("target", [[0] * (k + 1)] * B, [n - 1 for n in lens], tables,
                                      k + 1, input_ids=torch.cat([last, drafts], 1))  # [B, k+1, V]
         num_accepted, tokens = verify_logits(drafts, torch.stack(draft_probs, 1), logits, rp)

@@ -46,6 +46,18 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def tokens_from(self, start: int, end: int | None = None) -> list[int]:
+        """token_ids[start:end] without copying the whole prompt (a step reads a row's last few)."""
+        n = len(self.prompt_token_ids)
+        end = len(self) if end is None else end
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
+
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
