@@ -180,6 +180,10 @@ def test_bad_inputs_are_clear(checkpoints, tmp_path):
         e.add_request([], GREEDY)
     with pytest.raises(ValueError, match="max_model_len"):
         e.add_request(list(range(128)), GREEDY)
+    for bad in ([1, e.vocab_size], [-1, 2]):
+        with pytest.raises(ValueError, match=rf"token ids must be in \[0, {e.vocab_size}\)"):
+            e.add_request(bad, GREEDY)
+    assert not e.has_unfinished_requests()
     with pytest.raises(ModelLoadError, match="not a directory"):
         engine(str(tmp_path / "nope"))
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')

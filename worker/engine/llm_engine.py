@@ -122,6 +122,8 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if not all(0 <= t < self.vocab_size for t in token_ids):  # out of range, the embedding reads garbage
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if len(token_ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
                              f"{self.config.max_model_len} (the prompt and at least one new token must fit)")
