@@ -23,10 +23,8 @@ def chain_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[int]:
     Kept on the request: its tokens only ever grow, so a hash once computed stays right.
     """
     hashes = seq.block_hashes
-    if len(hashes) < num_blocks:
-        tokens = seq.token_ids
-        for i in range(len(hashes), num_blocks):
-            hashes.append(hash((hashes[-1] if hashes else 0, *tokens[i * block_size:(i + 1) * block_size])))
+    for i in range(len(hashes), num_blocks):  # only the new blocks' tokens are copied, not the prompt
+        hashes.append(hash((hashes[-1] if hashes else 0, *seq.tokens_from(i * block_size, (i + 1) * block_size))))
     return hashes[:num_blocks]
 
 
