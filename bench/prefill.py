@@ -207,7 +207,7 @@ def serve_long_prompts(draft: bool, budget: int, context: int, requests: int, st
 
     def schedule_and_note():
         batch = schedule()
-        kind["prefill"] = batch is not None and batch.is_prefill
+        kind["prefill"] = batch is not None and bool(batch.prefill)  # a step with prompt chunks (and decode rows)
         return batch
 
     engine.scheduler.schedule = schedule_and_note

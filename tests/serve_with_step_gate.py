@@ -23,10 +23,10 @@ opened = threading.Event()
 
 
 def gated(step):
-    def gated_step(self):
+    def gated_step(self, *args, **kwargs):
         while not opened.is_set() and not permits.acquire(timeout=0.05):
             pass
-        return step(self)
+        return step(self, *args, **kwargs)
     return gated_step
 
 

@@ -133,6 +133,25 @@ def test_a_prompt_prefilled_whole_in_chunks_or_after_a_cached_prefix_gives_the_s
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_prompts_chunk_and_the_rows_decoding_beside_it_in_one_forward_give_their_own_bits(checkpoints, family):
+    """A mixed step: row 0's next 12 prompt tokens (prefill kernel) and rows 1 and 2's next tokens (decode
+    kernel) share every other stage of one call; each part's logits and keys are those of its own forward."""
+    model = load_model(checkpoints[family], torch.float32, CPU)
+    cache, prompts = prefilled(model)
+    lengths = [len(p) for p in prompts]
+    chunk = build_paged_batch([list(range(3, 15))], lengths[:1], TABLES[:1], BLOCK, 1, CPU, prefill=True)
+    decode = build_paged_batch([[8], [9]], lengths[1:], TABLES[1:], BLOCK, 1, CPU)
+    apart = cache.clone()
+    alone = [forward(model, chunk, apart, True), forward(model, decode, apart, True)]
+    together = cache.clone()
+    mixed = model.forward_parts([chunk, decode], together)
+    assert [m.shape for m in mixed] == [a.shape for a in alone] == [(1, 1, model.config.vocab_size), (2, 1, model.config.vocab_size)]
+    assert all(torch.equal(m, a) for m, a in zip(mixed, alone))
+    assert torch.equal(together, apart) and not torch.equal(together, cache)
+
+
+@needs_kernel
 def test_plain_weights_keep_the_layers_in_torch(checkpoints):
     assert load_model(checkpoints["llama"], torch.float32, CPU, pack=False).fused_forward is None  # compile's
 
@@ -170,9 +189,9 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_torchs(checkpoints, 
     fused = model.fused_forward
     monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
     decode = build_paged_batch([[7], [8], [9]], [5, 40, 17], TABLES, BLOCK, 1, CPU)
-    assert fused.threads(decode) == 1
+    assert fused.threads([decode]) == 1
     work = decode.input_ids.numel() * (fused.token_work + fused.position_work * decode.gather_slots.shape[1])
     monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", work)  # this step's work: no longer below
-    assert fused.threads(decode) == 6
+    assert fused.threads([decode]) == 6
     monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", work + 1)
-    assert fused.threads(decode) == 1
+    assert fused.threads([decode]) == 1

@@ -34,18 +34,19 @@ def test_scheduler_preempts_newest_and_leaks_nothing():
     sched.add(old)
     sched.add(new)
     batch = sched.schedule()
-    assert batch.is_prefill and [s.request_id for s in batch.seqs] == ["old", "new"]
-    for s in batch.seqs:  # as the engine's prefill leaves them
+    assert batch.prefill == [old, new] and not batch.decode
+    for s in batch.prefill:  # as the engine's prefill leaves them
         s.num_cached, s.prefilled = len(s), True
         s.output_token_ids.append(1)
-    # Each now needs 7 + 2 slots = 3 blocks: only one fits, the newest is preempted.
+    # Each now needs 7 + 2 slots = 3 blocks: only one fits, the newest is preempted, and it is not
+    # readmitted in the step that preempted it.
     batch = sched.schedule()
-    assert not batch.is_prefill and [s.request_id for s in batch.seqs] == ["old"]
+    assert batch.decode == [old] and not batch.prefill
     assert new.status is Status.WAITING and new.block_table == [] and new.num_cached == 0
     assert sched.num_preemptions == 1 and list(sched.waiting) == [new]
     sched.finish(old, "stop")
     batch = sched.schedule()  # the preempted request comes back with its output kept
-    assert batch.is_prefill and batch.seqs == [new] and new.token_ids[-1] == 1
+    assert batch.prefill == [new] and not batch.decode and new.token_ids[-1] == 1
     sched.finish(new, "length")
     assert blocks.num_free == 4 and not sched.has_unfinished()
 
@@ -55,11 +56,11 @@ def test_admission_respects_limits():
     sched = Scheduler(blocks, max_num_seqs=2, max_num_batched_tokens=10, lookahead=0)
     for name, n in [("a", 4), ("b", 4), ("c", 4)]:
         sched.add(seq(name, n))
-    assert [s.request_id for s in sched.schedule().seqs] == ["a", "b"]  # max_num_seqs
+    assert [s.request_id for s in sched.schedule().prefill] == ["a", "b"]  # max_num_seqs
     sched2 = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10, lookahead=0)
     for name, n in [("a", 4), ("b", 4), ("c", 4)]:
         sched2.add(seq(name, n))
-    assert [s.request_id for s in sched2.schedule().seqs] == ["a", "b"]  # token budget
+    assert [s.request_id for s in sched2.schedule().prefill] == ["a", "b"]  # token budget
 
 
 def test_bookkeeping_imports_no_torch():

@@ -138,27 +138,26 @@ def test_without_caching_nothing_is_shared_or_counted():
     assert blocks.num_cached == 0 and blocks.queried_tokens == blocks.hit_tokens == 0
 
 
-def test_scheduler_chunks_long_prompts_and_alternates_with_decoding():
+def test_scheduler_chunks_long_prompts_beside_decoding():
     blocks = BlockManager(num_blocks=64, block_size=BS)
     sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=8, lookahead=0)
     short, long = seq("short", range(3)), seq("long", range(20, 40))
     sched.add(short)
     sched.add(long)
     batch = sched.schedule()  # the short prompt whole, and the long one as wide as the batch allows
-    assert batch.is_prefill and batch.seqs == [short, long] and batch.chunks == [3, 3]
+    assert batch.prefill == [short, long] and batch.chunks == [3, 3] and not batch.decode
     short.num_cached, short.prefilled = 3, True  # as the engine leaves them
     short.output_token_ids.append(7)
     long.num_cached = 3
-    kinds = []
-    # The rest of the long prompt in chunks of 8 (each the whole budget), a decode step before each
-    # of them; the short one got its token from the first step.
+    # The rest of the long prompt in chunks of 8 (each the whole budget), each in a step that decodes
+    # the short one, which got its token from the first step.
+    chunks = []
     while not long.prefilled:
         batch = sched.schedule()
-        kinds.append("prefill" if batch.is_prefill else "decode")
-        if batch.is_prefill:
-            assert batch.seqs == [long] and batch.chunks == [min(8, 20 - long.num_cached)]
-            long.num_cached += batch.chunks[0]
-            long.prefilled = long.num_cached == 20
-        else:
-            assert batch.seqs == [short]
-    assert kinds == ["decode", "prefill"] * 3
+        assert batch.prefill == [long] and batch.decode == [short]
+        chunks += batch.chunks
+        long.num_cached += batch.chunks[0]
+        long.prefilled = long.num_cached == 20
+        short.num_cached = len(short)
+        short.output_token_ids.append(7)
+    assert chunks == [8, 8, 1]

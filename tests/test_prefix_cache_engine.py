@@ -104,7 +104,7 @@ def test_a_kv_starved_engine_with_caching_serves_everything_and_its_blocks_add_u
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_a_long_prompt_is_prefilled_in_chunks_without_pausing_running_streams(checkpoints, with_draft):
     """Four streams decode; a 100-token prompt arrives. With 16-token prefill steps it takes 7
-    chunks, and every stream gets its next tokens at least every second step meanwhile."""
+    chunks, and every stream gets its next tokens in every step meanwhile."""
     draft = checkpoints["llama-draft"] if with_draft else None
     long_prompt = tokens(100, 5)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
@@ -128,12 +128,26 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_pausing_running_streams(ch
         for i in streams:
             waited[i] = 0 if any(o.request_id == i for o in outs) else waited[i] + 1
             longest_wait = max(longest_wait, waited[i])
-    assert longest_wait == 1  # one prefill chunk between two decode steps, never more
+    assert longest_wait == 0  # each chunk rides in a step that decodes them
     assert e.stats.prompt_tokens >= len(long_prompt) + sum(map(len, PROMPTS))
     while e.has_unfinished_requests():
         for out in e.step():
             got[out.request_id] += out.new_token_ids
     assert [got[i] for i in streams + [late]] == reference  # chunks change no token
+
+
+def test_a_speculative_steps_prompt_gets_its_first_token_before_the_proposals_run(checkpoints):
+    e = engine(checkpoints["llama"], checkpoints["llama-draft"])  # fixed k: every decode step proposes
+    stream = e.add_request(PROMPTS[0], GREEDY)
+    e.step()  # its prefill: it decodes from now on
+    late = e.add_request(PROMPTS[1], GREEDY)
+    early, proposals = [], []
+    decode = e._decode_speculative
+    e._decode_speculative = lambda *a: proposals.append(list(early)) or decode(*a)
+    rest = e.step(early=early.extend)
+    assert [o.request_id for o in early] == [late] and len(early[0].new_token_ids) == 1
+    assert proposals == [early]  # delivered before the proposals ran
+    assert [o.request_id for o in rest] == [stream] and len(rest[0].new_token_ids) >= 1
 
 
 def test_chunked_prefill_of_a_batch_of_long_prompts_equals_whole_prefill(checkpoints):

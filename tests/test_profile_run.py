@@ -18,11 +18,31 @@ def test_decode_step_proposes_k_after_the_longest_catch_up(checkpoints, speculat
     runner = ModelRunner(load_model(config.model, torch.float32, cpu),
                          load_model(config.draft_model, torch.float32, cpu), config.block_size, cpu)
     runner.allocate_kv_cache(profile_blocks(config))
-    calls, forward = [], runner.forward
-    runner.forward = lambda name, rows, *args, **kw: calls.append((name, len(rows), len(rows[0]))) or \
-        forward(name, rows, *args, **kw)
+    calls, forward, forward_parts, inside = [], runner.forward, runner.forward_parts, []
+
+    def record(name, rows, *args, prefill=False, **kw):
+        if not inside:  # not a part of a recorded forward_parts
+            calls.append((name, len(rows), len(rows[0]), prefill))
+        return forward(name, rows, *args, prefill=prefill, **kw)
+
+    def record_parts(name, parts):
+        calls.append((name, "parts", [(len(rows), len(rows[0]), prefill) for rows, *_, prefill in parts]))
+        inside.append(name)
+        try:
+            return forward_parts(name, parts)
+        finally:
+            inside.pop()
+
+    runner.forward, runner.forward_parts = record, record_parts
     run_worst_case(runner, config)
-    decode = calls[2 * len(prefill_shapes(runner, config, 64)):]  # after the target's and draft's prefills
+    # The target's prefills with the rows decoding beside them (as many as may run with them), the
+    # draft's prefills, and then the decode step.
+    shapes = prefill_shapes(runner, config, 64)
+    prefills = [call for call in calls if call[1] == "parts" or call[-1]]
+    assert prefills == [c for (rows, width, _) in shapes for c in (
+        ("target", "parts", [(rows, width, True)] + ([(3 - rows, 1, False)] if rows < 3 else [])),
+        ("draft", rows, width, True))]
+    decode = [call[:3] for call in calls if call not in prefills]
     # A plain step runs the target alone; a step that proposes again first feeds the draft what it missed
     # (the bonus token, or after plain steps what its catch-up left), then proposes k-1 more, then verifies k+1.
     assert decode == [("draft", 3, behind), ("draft", 3, 1), ("draft", 3, 1), ("target", 3, 4)]
@@ -45,8 +65,8 @@ def test_every_prefill_step_of_serving_fits_the_profiled_shapes(checkpoints):
 
     def schedule_and_record():
         batch = schedule()
-        if batch is not None and batch.is_prefill:
-            steps.append([(s.num_cached, c) for s, c in zip(batch.seqs, batch.chunks)])
+        if batch is not None and batch.prefill:
+            steps.append([(s.num_cached, c) for s, c in zip(batch.prefill, batch.chunks)])
         return batch
 
     engine.scheduler.schedule = schedule_and_record

@@ -1,4 +1,4 @@
-"""What a prefill step costs and which prompts share one (the scheduler alone, without torch)."""
+"""What a step's prompt chunks cost and which prompts share a step (the scheduler alone, without torch)."""
 from worker.engine.block_manager import BlockManager
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -17,33 +17,30 @@ def add(sched, names, tokens):
 
 def run(sched, steps):
     """Schedule `steps` steps, doing to each request what the engine does; each step as
-    ("P" or "D", request ids)."""
+    (prefilled request ids, decoded request ids)."""
     done = []
     for _ in range(steps):
         batch = sched.schedule()
         if batch is None:
             break
-        if batch.is_prefill:
-            for s, chunk in zip(batch.seqs, batch.chunks):
-                s.num_cached += chunk
-                if s.num_cached == len(s):
-                    s.prefilled = True
-                    s.output_token_ids.append(1)
-        else:
-            for s in batch.seqs:
-                s.num_cached = len(s)
+        for s, chunk in zip(batch.prefill, batch.chunks):
+            s.num_cached += chunk
+            if s.num_cached == len(s):
+                s.prefilled = True
                 s.output_token_ids.append(1)
-        done.append(("P" if batch.is_prefill else "D", [s.request_id for s in batch.seqs]))
+        for s in batch.decode:
+            s.num_cached = len(s)
+            s.output_token_ids.append(1)
+        done.append(("".join(s.request_id for s in batch.prefill), "".join(s.request_id for s in batch.decode)))
     return done
 
 
-def test_costly_prompts_go_one_a_step_each_after_a_decode_step():
+def test_costly_prompts_go_one_a_step_each_beside_the_decoding_streams():
     sched = scheduler(join_tokens=16)
-    add(sched, ["stream"], 8)
+    add(sched, ["s"], 8)
     run(sched, 2)  # its prefill, then a decode step: it decodes from now on
     add(sched, "abc", 8)  # each costs 8 tokens + 8 * 4.5 / 16 of attention = 10.25 > join_tokens / 2
-    assert run(sched, 6) == [("P", ["a"]), ("D", ["stream", "a"]), ("P", ["b"]), ("D", ["stream", "a", "b"]),
-                             ("P", ["c"]), ("D", ["stream", "a", "b", "c"])]
+    assert run(sched, 4) == [("a", "s"), ("b", "sa"), ("c", "sab"), ("", "sabc")]
 
 
 def test_prompts_arriving_together_start_decoding_a_step_apart_and_finish_apart():
@@ -55,8 +52,9 @@ def test_prompts_arriving_together_start_decoding_a_step_apart_and_finish_apart(
         batch = sched.schedule()
         if batch is None:
             break
-        for s, chunk in zip(batch.seqs, batch.chunks or [1] * len(batch.seqs)):
-            s.num_cached = s.num_cached + chunk if batch.is_prefill else len(s)
+        rows = [*zip(batch.prefill, batch.chunks), *((s, 1) for s in batch.decode)]
+        for s, chunk in rows:
+            s.num_cached = s.num_cached + chunk if s in batch.prefill else len(s)
             if s.num_cached == len(s):
                 s.prefilled = True
                 s.output_token_ids.append(1)
@@ -72,45 +70,45 @@ def test_prompts_arriving_together_start_decoding_a_step_apart_and_finish_apart(
 def test_while_nothing_decodes_a_long_prompts_chunks_follow_each_other():
     sched = scheduler(join_tokens=16)
     add(sched, ["long"], 150)  # chunks of 64 tokens
-    assert [kind for kind, _ in run(sched, 4)] == ["P", "P", "P", "D"]
+    assert run(sched, 4) == [("long", "")] * 3 + [("", "long")]
 
 
 def test_small_prompts_share_a_step():
     sched = scheduler(join_tokens=16)
     add(sched, "abcdefgh", 2)  # 2 tokens + 2 * 1.5 / 16 each: 7 rows cost 15.3, 8 cost 17.5
-    assert run(sched, 3) == [("P", list("abcdefg")), ("D", list("abcdefg")), ("P", ["h"])]
+    assert run(sched, 2) == [("abcdefg", ""), ("h", "abcdefg")]
 
 
 def test_attention_is_part_of_the_cost():
     tokens_only = scheduler(join_tokens=16, attention_span=float("inf"))
     add(tokens_only, "ab", 8)
-    assert run(tokens_only, 1) == [("P", ["a", "b"])]  # 16 tokens
+    assert run(tokens_only, 1) == [("ab", "")]  # 16 tokens
     with_attention = scheduler(join_tokens=16)
     add(with_attention, "ab", 8)
-    assert run(with_attention, 1) == [("P", ["a"])]  # 20.5
+    assert run(with_attention, 1) == [("a", "")]  # 20.5
 
 
 def test_without_a_join_limit_prompts_share_steps_up_to_the_budget():
     sched = scheduler()
-    add(sched, ["stream"], 8)
+    add(sched, ["s"], 8)
     run(sched, 2)
     add(sched, "abcdef", 8)  # 6 rows: 61.5
-    assert run(sched, 2) == [("P", list("abcdef")), ("D", ["stream", *"abcdef"])]
+    assert run(sched, 2) == [("abcdef", "s"), ("", "sabcdef")]
 
 
-def test_a_long_prompt_alternates_its_chunks_with_decode_steps():
+def test_a_long_prompts_chunks_ride_with_the_decoding_streams():
     sched = scheduler(join_tokens=16)
-    add(sched, ["stream"], 8)
+    add(sched, ["s"], 8)
     run(sched, 2)
     add(sched, ["long"], 150)  # chunks of 64 tokens, each costing more than the budget with attention
-    assert [kind for kind, _ in run(sched, 6)] == ["P", "D", "P", "D", "P", "D"]
+    assert run(sched, 4) == [("long", "s")] * 3 + [("", "slong")]
 
 
 def test_a_prompt_is_not_cut_to_join_a_step_unless_it_goes_in_chunks_anyway():
     sched = scheduler(join_tokens=16, attention_span=float("inf"))
     add(sched, ["a"], 6)
     add(sched, ["b"], 12)  # 2 x 12 > 16: not cut to 6 tokens to join, it goes whole next step
-    assert run(sched, 3) == [("P", ["a"]), ("D", ["a"]), ("P", ["b"])]
+    assert run(sched, 2) == [("a", ""), ("b", "a")]
     assert sched.running[1].num_cached == 12
     long = scheduler(join_tokens=16, attention_span=float("inf"), budget=20)
     add(long, ["a"], 6)

@@ -209,3 +209,12 @@ def test_a_new_batch_size_while_dormant_runs_plain_first_and_proposes_at_its_fir
     # A proposal would wake the draft for every row: 32 new rows wait for their bucket's first probe.
     chosen = drive(spec, clock, 2 * PROBE_EVERY, 32, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(11))
     assert PROBE_EVERY <= chosen.index(K) < PROBE_EVERY + 4  # two plain steps measure k=0 first
+
+
+def test_a_step_whose_forward_carried_prompt_chunks_measures_no_cost(policy):
+    spec, clock = policy
+    for _ in range(3):  # plain steps that also prefilled: far slower than a plain step
+        k = spec.start_step(1)
+        clock.now += 100.0
+        spec.finish_step(None if k == 0 else [0], measured=False)
+    assert not spec.costs.known(bucket(1), 0) and not spec.costs.known(bucket(1), K)

@@ -37,9 +37,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's limit, at most 2048)")
     p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
     p.add_argument("--max-num-batched-tokens", type=int, default=0, metavar="N",
-                   help="prompt tokens one prefill step computes (default 512 on the CPU, else 2048); longer "
-                        "prompts are prefilled in chunks, and running requests wait for at most one prefill "
-                        "step between two of their steps")
+                   help="prompt tokens one step computes beside its decoding requests (default 512 on the "
+                        "CPU, else 2048); longer prompts are prefilled in chunks, and running requests get a "
+                        "token every step")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt whole (by default a prompt that starts like an earlier one "
                         "reuses its cached KV blocks)")

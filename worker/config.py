@@ -26,7 +26,7 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int = 0  # 0: the model's max_position_embeddings, at most 2048 (resolve_lengths)
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 0  # prompt tokens a prefill step; 0: 512 on the CPU, else 2048
+    max_num_batched_tokens: int = 0  # prompt tokens a step; 0: 512 on the CPU, else 2048
     prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike (block_manager.py)
     memory_utilization: float | None = None  # None: 0.9 on CUDA; on CPU the KV cache is capped at 2 GiB
     kv_cache_memory: int | None = None  # bytes; overrides memory_utilization

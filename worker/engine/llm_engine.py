@@ -148,24 +148,31 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- one step ---------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, early: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """One step's outputs. `early`, when given, receives the outputs of a speculative step's prompt
+        chunks before its proposals and verification run: their first tokens need not wait for them."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        if batch.is_prefill:
-            seqs, new_tokens, logprobs = self._prefill(batch.seqs, batch.chunks)
-            return self._postprocess(seqs, new_tokens, None, logprobs)
+        if not batch.decode:
+            return self._postprocess(*self._plain(batch.prefill, batch.chunks, []))
         # A seeded sampled request draws its random numbers per proposal: it keeps one k (K) so its
         # text depends on the seed only, never on the load.
-        seeded = any(s.params.seed is not None and not s.params.greedy for s in batch.seqs)
-        k = self.speculation.start_step(len(batch.seqs), pinned=seeded)
+        seeded = any(s.params.seed is not None and not s.params.greedy for s in batch.decode)
+        k = self.speculation.start_step(len(batch.decode), pinned=seeded)
         if k == 0:
-            (new_tokens, logprobs), accepted = self._decode_plain(batch.seqs), None
+            # Chunks and decode rows in one forward: the step's time is not a plain step's cost.
+            outputs = self._postprocess(*self._plain(batch.prefill, batch.chunks, batch.decode))
+            self.speculation.finish_step(None, measured=not batch.prefill)
         else:
-            new_tokens, accepted, logprobs = self._decode_speculative(batch.seqs, k)
-        outputs = self._postprocess(batch.seqs, new_tokens, accepted, logprobs)
-        # The step is its cost (proposals, verification, bookkeeping), less any catch-up.
-        self.speculation.finish_step(accepted)
+            with self.speculation.uncounted():  # the chunks' forward is not the proposals' cost
+                outputs = self._postprocess(*self._plain(batch.prefill, batch.chunks, []))
+                if early is not None and outputs:
+                    early(outputs)
+                    outputs = []
+            tokens, accepted, decoded = self._decode_speculative(batch.decode, k)
+            outputs += self._postprocess(batch.decode, tokens, decoded)
+            self.speculation.finish_step(accepted)
         self.stats.current_speculative_tokens = self.speculation.current
         return outputs
 
@@ -205,50 +212,51 @@ class LLMEngine:
                       for j, t in enumerate(tokens[i].tolist())]
         return out
 
-    def _prefill(self, seqs: list[Sequence],
-                 chunks: list[int]) -> tuple[list[Sequence], list[list[int]], list]:
-        """Each row's next chunk of prompt; rows whose prompt this completes draw their first token.
-        Returns those rows, their tokens and logprobs."""
-        starts = [s.num_cached for s in seqs]
-        rows = [s.tokens_from(n, n + c) for s, n, c in zip(seqs, starts, chunks)]
-        tables = [s.block_table for s in seqs]
-        logits = self.runner.forward("target", rows, starts, tables, 1, prefill=True)[:, 0]
-        # A dormant draft reads when it proposes; so does one behind the target (cached blocks it never
-        # wrote).
-        if self.speculation.awake:
-            level = [i for i, s in enumerate(seqs) if s.num_draft_cached == s.num_cached]
-            if level:
-                self.runner.forward("draft", [rows[i] for i in level], [starts[i] for i in level],
-                                    [tables[i] for i in level], 0, prefill=True)
-            for i in level:
-                seqs[i].num_draft_cached += chunks[i]
-        done = []
-        for i, (s, c) in enumerate(zip(seqs, chunks)):
-            self.stats.prompt_tokens += c
-            s.num_cached += c
-            if s.num_cached == len(s):
-                s.prefilled = True
-                done.append(i)
-            else:
-                self.blocks.commit(s)  # its full blocks are reusable before its prefill ends
-        if not done:
+    def _plain(self, prefill: list[Sequence], chunks: list[int],
+               decode: list[Sequence]) -> tuple[list[Sequence], list[list[int]], list]:
+        """Each prefill row's next chunk of prompt and each decode row's next token, in one target
+        forward: the rows whose prompt this completes and the decode rows draw a token. Returns those
+        rows, their tokens and logprobs."""
+        starts = [s.num_cached for s in prefill]
+        rows = [s.tokens_from(n, n + c) for s, n, c in zip(prefill, starts, chunks)]
+        tables = [s.block_table for s in prefill]
+        parts = [(rows, starts, tables, 1, True)] if prefill else []
+        if decode:
+            parts.append(([[s.last_token_id] for s in decode], [len(s) - 1 for s in decode],
+                          [s.block_table for s in decode], 1, False))
+        parted = [part[:, 0] for part in self.runner.forward_parts("target", parts)]
+        done = [i for i, (s, c) in enumerate(zip(prefill, chunks)) if s.num_cached + c == len(s)]
+        if prefill:
+            self._draft_prefill(prefill, chunks, rows, starts, tables)
+            for s, c in zip(prefill, chunks):
+                self.stats.prompt_tokens += c
+                s.num_cached += c
+                s.prefilled = s.num_cached == len(s)
+                if not s.prefilled:
+                    self.blocks.commit(s)  # its full blocks are reusable before its prefill ends
+            if len(done) < len(prefill):
+                parted[0] = parted[0][torch.tensor(done, dtype=torch.long, device=parted[0].device)]
+        for s in decode:
+            s.num_cached = len(s)
+        seqs = [prefill[i] for i in done] + decode
+        if not seqs:
             return [], [], []
-        if len(done) < len(seqs):
-            logits = logits[torch.tensor(done, dtype=torch.long, device=logits.device)]
-            seqs = [seqs[i] for i in done]
-        rp = self._rows(seqs)
-        tokens = draw(logits, rp)
+        logits = parted[0] if len(parted) == 1 else torch.cat(parted)
+        tokens = draw(logits, self._rows(seqs))
         return seqs, [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
-    def _decode_plain(self, seqs: list[Sequence]) -> tuple[list[list[int]], list]:
-        rows = [[s.last_token_id] for s in seqs]
-        logits = self.runner.forward("target", rows, [len(s) - 1 for s in seqs],
-                                     [s.block_table for s in seqs], 1)[:, 0]
-        for s in seqs:
-            s.num_cached = len(s)
-        rp = self._rows(seqs)
-        tokens = draw(logits, rp)
-        return [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
+    def _draft_prefill(self, seqs: list[Sequence], chunks: list[int], rows: list[list[int]], starts: list[int],
+                       tables: list[list[int]]) -> None:
+        """The draft reads the chunks where it is level with the target. A dormant draft reads when it
+        proposes; so does one behind the target (cached blocks it never wrote)."""
+        if not self.speculation.awake:
+            return
+        level = [i for i, s in enumerate(seqs) if s.num_draft_cached == s.num_cached]
+        if level:
+            self.runner.forward("draft", [rows[i] for i in level], [starts[i] for i in level],
+                                [tables[i] for i in level], 0, prefill=True)
+        for i in level:
+            seqs[i].num_draft_cached += chunks[i]
 
     def _draft_catch_up(self, seqs: list[Sequence]) -> None:
         """The draft reads what it missed while dormant (no logits), where a row lags more than
@@ -312,8 +320,7 @@ class LLMEngine:
         self.stats.record_verification(accepted, k)
         return emitted, accepted, self._logprobs(seqs, logits, tokens)
 
-    def _postprocess(self, seqs: list[Sequence], new_tokens: list[list[int]],
-                     accepted: list[int] | None, logprobs: list) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], new_tokens: list[list[int]], logprobs: list) -> list[RequestOutput]:
         outputs = []
         for s, tokens, lp in zip(seqs, new_tokens, logprobs):
             if s.first_token_time is None:

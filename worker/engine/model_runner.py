@@ -107,3 +107,18 @@ class ModelRunner:
             batch.write_rows = torch.arange(batch.write_slots.numel(), device=self.device)
         logits = self.run[name](batch, self.kv[name])
         return logits[:, :num_logits] if compiled else logits
+
+    @torch.inference_mode()
+    def forward_parts(self, name: str, parts: list[tuple]) -> list[torch.Tensor]:
+        """forward() of each part, (token_rows, starts, block_tables, num_logits, prefill): a prompt's
+        chunks and the rows decoding beside them. One forward where the model's one-call forward takes
+        them all (the CPU's), which reads the weights once for every row; else one a part."""
+        model = self.models[name]
+        if len(parts) < 2 or self.run[name] is not model:
+            return [self.forward(name, rows, starts, tables, n, prefill=prefill)
+                    for rows, starts, tables, n, prefill in parts]
+        batches = [build_paged_batch(rows, starts, tables, self.block_size, n, self.device, None, prefill)
+                   for rows, starts, tables, n, prefill in parts]
+        for batch in batches:
+            batch.workspace = self.workspace
+        return model.forward_parts(batches, self.kv[name])

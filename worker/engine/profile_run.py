@@ -44,8 +44,9 @@ def prefill_shapes(runner: ModelRunner, config: EngineConfig, longest: int) -> l
 @torch.inference_mode()
 def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | None = None,
                    batch: int | None = None) -> None:
-    """The prefill steps that hold the most memory, then a full speculative decode step at the
-    longest context.
+    """The prefill steps that hold the most memory, the target's with as many rows decoding beside
+    them as may run (one forward where the runner fuses them), then a full speculative decode step
+    at the longest context.
 
     Rows share one block table: keys and values land on the same scratch slots, which
     costs nothing in activations and keeps the scratch cache small. `longest` and `batch`
@@ -56,9 +57,11 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
     longest = longest or config.max_model_len
 
     for rows, width, start in prefill_shapes(runner, config, longest):
-        for name in runner.models:
-            runner.forward(name, [[1] * width] * rows, [start] * rows, [table] * rows,
-                           1 if name == "target" else 0, prefill=True)
+        beside = min(batch or config.max_num_seqs, config.max_num_seqs - rows)
+        decoding = [([[1]] * beside, [longest - 1] * beside, [table] * beside, 1, False)] if beside else []
+        runner.forward_parts("target", [([[1] * width] * rows, [start] * rows, [table] * rows, 1, True), *decoding])
+        if "draft" in runner.models:
+            runner.forward("draft", [[1] * width] * rows, [start] * rows, [table] * rows, 0, prefill=True)
 
     # Decode: every sequence at the longest context, k draft steps then k+1 verified positions.
     B = batch or config.max_num_seqs

@@ -11,11 +11,11 @@ from worker.engine.sequence import Sequence, Status
 
 @dataclass
 class Batch:
-    """What one engine step runs: prompt chunks (prefill) or one token per request (decode)."""
+    """What one engine step runs: prompts' chunks (prefill) and one token per decoding request."""
 
-    is_prefill: bool
-    seqs: list[Sequence]
-    chunks: list[int] = field(default_factory=list)  # prefill: each row's new tokens, from its num_cached on
+    prefill: list[Sequence] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # each prefill row's new tokens, from its num_cached on
+    decode: list[Sequence] = field(default_factory=list)
 
 
 @dataclass
@@ -39,19 +39,18 @@ class Step:
 class Scheduler:
     """FIFO admission under max_num_seqs; long prompts in chunks; newest-first preemption.
 
-    A step either prefills prompts' chunks or decodes every running request. A prefill step costs its
-    tokens, padded to the widest row, plus their attention counted in tokens' matmuls (a chunk after a
-    long cached prefix costs more than its tokens); it computes at most max_num_batched_tokens prompt
-    tokens. While streams decode, at most one prefill step runs between two of their steps, as each
-    of vLLM's steps takes every decoding stream's token and at most its budget of prompt tokens: a
-    stream never waits for more than one chunk, and prompts that arrive together start decoding a
-    step apart, so they finish apart too and the requests that follow them do not queue behind each
-    other. Prompts share a step while its cost stays within join_tokens: where a forward costs little
-    besides its tokens (the CPU), prompts that cost much go one a step, so the first of a burst
-    answers first.
+    A step decodes every running request and prefills prompts' chunks beside them, as vLLM's steps
+    do: a stream never waits for a chunk in a step of its own, and a prompt starts in the next step
+    whatever the streams are doing. The chunks cost their tokens, padded to the widest row, plus
+    their attention counted in tokens' matmuls (a chunk after a long cached prefix costs more than
+    its tokens); a step computes at most max_num_batched_tokens prompt tokens. Prompts share a step
+    while its cost stays within join_tokens: where a forward costs little besides its tokens (the
+    CPU), prompts that cost much go one a step, so the first of a burst answers first, and prompts
+    that arrive together start decoding a step apart, so they finish apart too and the requests that
+    follow them do not queue behind each other.
 
-    Decode rows never ride in a chunk's forward: every step stays one of the two shapes the engine
-    runs and the profile measures, and speculation's draft steps and verification stay out of it.
+    A step's decode rows and chunks are separate parts of one forward where the model's one-call
+    forward takes both (ModelRunner.forward_parts), else two forwards.
     """
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -68,7 +67,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._after_prefill = False  # the last step was a prefill: streams that decode go next
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -77,27 +75,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch | None:
-        decoding = any(s.prefilled for s in self.running)
-        if not (decoding and self._after_prefill):
-            prefill = self._prefill_rows()
-            if prefill.seqs:
-                self._after_prefill = True
-                return prefill
-        self._after_prefill = False
-        decode = self._grow_running()
-        return Batch(is_prefill=False, seqs=decode) if decode else None
+        """Every decoding request's next token (their slots first: they may preempt), then prompts'
+        chunks; no request is admitted in a step that preempted one, which would only come back."""
+        preempted = self.num_preemptions
+        batch = Batch(decode=self._grow_running())
+        self._prefill_rows(batch, admit=self.num_preemptions == preempted)
+        return batch if batch.prefill or batch.decode else None
 
-    def _prefill_rows(self) -> Batch:
-        """Prompts being prefilled, then waiting requests admitted in order (each starting after its
-        cached prefix), as _chunk lets them in."""
-        batch, step = Batch(is_prefill=True, seqs=[], chunks=[]), Step()
+    def _prefill_rows(self, batch: Batch, admit: bool) -> None:
+        """Prompts being prefilled, then (when `admit`) waiting requests in order (each starting after
+        its cached prefix), as _chunk lets them in."""
+        step = Step()
         for seq in self.running:
             if not seq.prefilled:
                 take = self._chunk(len(seq) - seq.num_cached, seq.num_cached, step)
                 if not take:
-                    return batch
+                    return
                 self._add_row(batch, step, seq, take, seq.num_cached)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.blocks.cached_prefix(seq)
             start = len(cached) * self.blocks.block_size
@@ -111,11 +106,10 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             self._add_row(batch, step, seq, take, start)
-        return batch
 
     def _add_row(self, batch: Batch, step: Step, seq: Sequence, take: int, start: int) -> None:
         step.add(take, self._attention(start, take))
-        batch.seqs.append(seq)
+        batch.prefill.append(seq)
         batch.chunks.append(take)
 
     def _chunk(self, left: int, start: int, step: Step) -> int:

@@ -145,12 +145,14 @@ class Speculation:
         finally:
             self._uncounted += self.clock() - started
 
-    def finish_step(self, num_accepted: list[int] | None) -> None:
-        """Accepted proposals per row (None for a plain step) of the step start_step began."""
+    def finish_step(self, num_accepted: list[int] | None, measured: bool = True) -> None:
+        """Accepted proposals per row (None for a plain step) of the step start_step began; `measured`:
+        its time is its decoding's (not where prompts' chunks shared its forward)."""
         if self._step is None:
             raise RuntimeError("finish_step without start_step")
         batch_size, k, started = self._step
-        self.observe(batch_size, k, self.clock() - started - self._uncounted, num_accepted)
+        if measured:
+            self.observe(batch_size, k, self.clock() - started - self._uncounted, num_accepted)
 
     def choose(self, batch_size: int) -> int:
         return self.max_k

@@ -195,7 +195,10 @@ class EngineLoop:
 
     def _step(self) -> None:
         started = time.monotonic()
-        outputs = self._loaded.step()
+        # A speculative step's prompts get their first tokens before its proposals run.
+        self._publish(self._loaded.step(early=lambda outputs: self._publish(outputs, started)), started)
+
+    def _publish(self, outputs: list[RequestOutput], started: float) -> None:
         ended = time.monotonic()
         if outputs:
             self._post(self._deliver, [(out.request_id, out) for out in outputs])

@@ -1,7 +1,8 @@
 /* A step's whole forward in one call and one parallel region, for float32 on AVX-512 or AVX2 CPUs:
  * the token embeddings and each token's RoPE angles; per layer RMSNorm, the q/k/v matmul, RoPE and the
- * cache write, attention over the paged cache (a decode or verify step's kernel, or a prompt chunk's),
- * the output matmul plus the residual, RMSNorm,
+ * cache write, attention over the paged cache (a decode or verify step's kernel, or a prompt chunk's;
+ * a step may hold rows of both kinds, as parts that share every other stage), the output matmul plus
+ * the residual, RMSNorm,
  * the gate/up matmul, SiLU(gate) x up, the down matmul plus the residual; then the final RMSNorm and
  * the head at the positions whose logits are wanted. Each stage is an `omp for` of the kernels'
  * headers, so threads meet at a barrier between stages instead of starting a region and returning
@@ -38,6 +39,16 @@ struct ends {
   int64_t vocab;
 };
 
+/* Rows of one attention kind: [B, Q] tokens of prompts' chunks (prefill, prefill_attention.h) or of
+ * generated tokens (paged_attention.h), after the earlier parts' tokens. slots [B, C], positions [B, Q]
+ * and lengths [B] as paged_attention's; logits_index [B, n] the tokens whose logits are wanted. A step
+ * of one kind is one part; a prompt's chunk and the decoding rows that ride with it are two. */
+struct part {
+  const int64_t *slots, *positions, *lengths, *logits_index;
+  int64_t B, Q, C, n;
+  int prefill;
+};
+
 /* x[m] = embed[ids[m]]; cos, sin [M, D / 2] of each token's position, computed as rope.py computes
  * them: float(position) * inv_freq, then cos and sin, then the scaling. */
 static void embed_and_angles_in_team(const struct ends *e, const int64_t *ids, const int64_t *positions, int64_t M,
@@ -53,17 +64,23 @@ static void embed_and_angles_in_team(const struct ends *e, const int64_t *ids, c
   }
 }
 
-/* logits [B, n, vocab] at query positions logits_index [B, n] of x [B, Q, hidden]: the final RMSNorm
- * of those rows (gathered into scratch), then the head. */
-static void head_in_team(const struct ends *e, const float *x, int64_t B, int64_t Q, int64_t hidden,
-                         const int64_t *logits_index, int64_t n, float eps, float *gathered, float *normed,
-                         float *logits) {
-  const int64_t R = B * n;
+/* logits [rows, vocab] of the parts' rows whose logits are wanted (each part's logits_index [B, n] into its
+ * own [B, Q] tokens of x, the parts' tokens one after the other): the final RMSNorm of those rows
+ * (gathered into scratch), then the head. */
+static void head_in_team(const struct ends *e, const float *x, const struct part *parts, int64_t num_parts,
+                         int64_t hidden, float eps, float *gathered, float *normed, float *logits) {
+  int64_t rows = 0;
+  for (int64_t p = 0, first = 0; p < num_parts; first += parts[p].B * parts[p].Q, p++) {
+    const struct part *part = parts + p;
+    const int64_t R = part->B * part->n;
 #pragma omp for schedule(static)
-  for (int64_t r = 0; r < R; r++)
-    memcpy(gathered + r * hidden, x + ((r / n) * Q + logits_index[r]) * hidden, hidden * sizeof(float));
-  rms_norm_in_team(gathered, R, hidden, e->final_norm, eps, normed);
-  blocked_linear_in_team(normed, R, hidden, e->head, e->vocab, NULL, NULL, logits);
+    for (int64_t r = 0; r < R; r++)
+      memcpy(gathered + (rows + r) * hidden,
+             x + (first + (r / part->n) * part->Q + part->logits_index[r]) * hidden, hidden * sizeof(float));
+    rows += R;
+  }
+  rms_norm_in_team(gathered, rows, hidden, e->final_norm, eps, normed);
+  blocked_linear_in_team(normed, rows, hidden, e->head, e->vocab, NULL, NULL, logits);
 }
 
 /* act[r, i] = silu(g) * u with g = gate_up[r, i], u = gate_up[r, inner + i]; silu(g) = g / (1 + e^-g),
@@ -85,23 +102,21 @@ static void silu_mul_in_team(const float *gate_up, int64_t rows, int64_t inner, 
   }
 }
 
-/* ids: [B * Q] tokens; x: [B * Q, hidden] out, the last layer's output. write_rows (NULL: all),
- * write_slots: [writes] as rotate_store. keys, values: layer 0's [slots, kv_heads, D], each next layer
- * layer_stride floats on. slots [B, C], positions [B, Q], lengths [B] as paged_attention. logits
- * [B, n, vocab] out at logits_index [B, n] where ends->head is set. prefill: the tokens are a prompt's
- * (prefill_attention.h attends), else generated ones (paged_attention.h). work: scratch of
- * B * Q * (2 hidden + (2 heads + 2 kv_heads + 1) D + 3 inner) floats. */
+/* ids, positions: [M] the parts' tokens, one part after the other; x: [M, hidden] out, the last layer's
+ * output. write_rows (NULL: all), write_slots: [writes] as rotate_store. keys, values: layer 0's [slots,
+ * kv_heads, D], each next layer layer_stride floats on. logits [sum of the parts' B * n, vocab] out where
+ * ends->head is set. work: scratch of M * (2 hidden + (2 heads + 2 kv_heads + 1) D + 3 inner) floats. */
 void decoder_forward(const struct layer *layers, int64_t num_layers, const struct ends *ends, const int64_t *ids,
-                     float *x, int64_t B, int64_t Q, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D,
-                     int64_t inner, float eps, const int64_t *write_rows, const int64_t *write_slots,
-                     int64_t writes, float *keys, float *values, int64_t layer_stride, const int64_t *slots,
-                     const int64_t *positions, const int64_t *lengths, int64_t C, float scale,
-                     const int64_t *logits_index, int64_t n, float *logits, int prefill, float *work,
-                     int threads) {
-  const int64_t M = B * Q, width = (heads + 2 * kv_heads) * D;
+                     const int64_t *positions, float *x, int64_t M, int64_t hidden, int64_t heads, int64_t kv_heads,
+                     int64_t D, int64_t inner, float eps, const int64_t *write_rows, const int64_t *write_slots,
+                     int64_t writes, float *keys, float *values, int64_t layer_stride, const struct part *parts,
+                     int64_t num_parts, float scale, float *logits, float *work, int threads) {
+  const int64_t width = (heads + 2 * kv_heads) * D;
   float *normed = work, *qkv = normed + M * hidden, *attended = qkv + M * width;
   float *gate_up = attended + M * heads * D, *act = gate_up + M * 2 * inner;
   float *cos = act + M * inner, *sin = cos + M * D / 2, *gathered = sin + M * D / 2;
+  int64_t wanted = 0;
+  for (int64_t p = 0; p < num_parts; p++) wanted += parts[p].n;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     embed_and_angles_in_team(ends, ids, positions, M, hidden, D / 2, x, cos, sin);
@@ -111,18 +126,21 @@ void decoder_forward(const struct layer *layers, int64_t num_layers, const struc
       rms_norm_in_team(x, M, hidden, w->input_norm, eps, normed);
       blocked_linear_in_team(normed, M, hidden, w->qkv, width, w->qkv_bias, NULL, qkv);
       rotate_store_in_team(qkv, M, heads, kv_heads, D, cos, sin, write_rows, write_slots, writes, k, v);
-      if (prefill)
-        prefill_attention_in_team(qkv, width, k, v, slots, positions, lengths, B, Q, C, heads, kv_heads, D,
-                                  w->window, scale, attended);
-      else
-        paged_attention_in_team(qkv, width, k, v, slots, positions, lengths, B, Q, C, heads, kv_heads, D,
-                                w->window, scale, attended);
+      for (int64_t p = 0, first = 0; p < num_parts; first += parts[p].B * parts[p].Q, p++) {
+        const struct part *a = parts + p;
+        if (a->prefill)
+          prefill_attention_in_team(qkv + first * width, width, k, v, a->slots, a->positions, a->lengths, a->B,
+                                    a->Q, a->C, heads, kv_heads, D, w->window, scale, attended + first * heads * D);
+        else
+          paged_attention_in_team(qkv + first * width, width, k, v, a->slots, a->positions, a->lengths, a->B,
+                                  a->Q, a->C, heads, kv_heads, D, w->window, scale, attended + first * heads * D);
+      }
       blocked_linear_in_team(attended, M, heads * D, w->o, hidden, w->o_bias, x, x);
       rms_norm_in_team(x, M, hidden, w->post_norm, eps, normed);
       blocked_linear_in_team(normed, M, hidden, w->gate_up, 2 * inner, w->gate_up_bias, NULL, gate_up);
       silu_mul_in_team(gate_up, M, inner, act);
       blocked_linear_in_team(act, M, inner, w->down, hidden, w->down_bias, x, x);
     }
-    if (ends->head && n) head_in_team(ends, x, B, Q, hidden, logits_index, n, eps, gathered, normed, logits);
+    if (ends->head && wanted) head_in_team(ends, x, parts, num_parts, hidden, eps, gathered, normed, logits);
   }
 }

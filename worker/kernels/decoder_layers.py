@@ -47,45 +47,69 @@ class Dims:
     eps: float
 
 
+class Part(ctypes.Structure):
+    """decoder_layers.c's `struct part`: rows of one attention kind, their tokens after the earlier parts'."""
+    _fields_ = [("slots", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("lengths", ctypes.c_void_p),
+                ("logits_index", ctypes.c_void_p), ("B", ctypes.c_int64), ("Q", ctypes.c_int64),
+                ("C", ctypes.c_int64), ("n", ctypes.c_int64), ("prefill", ctypes.c_int)]
+
+
+@dataclass
+class Rows:
+    """One part of a forward: ids, positions [B, Q]; slots [B, C] the cache slot of each context position;
+    lengths [B]; logits_index [B, n] the tokens whose logits are wanted; prefill: the tokens are prompts'
+    (their chunks' attention kernel), else generated ones (decode and verify)."""
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    logits_index: torch.Tensor
+    prefill: bool
+
+
 @functools.cache
 def _kernel():
-    int64, pointer, single = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    return native.function("decoder_layers", "decoder_forward", pointer, int64, pointer, pointer, pointer,
-                           int64, int64, int64, int64, int64, int64, int64, single, pointer, pointer, int64,
-                           pointer, pointer, int64, pointer, pointer, pointer, int64, single, pointer, int64,
-                           pointer, ctypes.c_int, pointer, ctypes.c_int)
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
+    return native.function("decoder_layers", "decoder_forward", pointer, int64, pointer, pointer, pointer, pointer,
+                           int64, int64, int64, int64, int64, int64, ctypes.c_float, pointer, pointer, int64,
+                           pointer, pointer, int64, pointer, int64, ctypes.c_float, pointer, pointer, ctypes.c_int)
 
 
 def available() -> bool:
     return _kernel() is not None
 
 
-def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, ids: torch.Tensor,
-                    positions: torch.Tensor, write_slots: torch.Tensor, write_rows: torch.Tensor | None,
-                    keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                    logits_index: torch.Tensor, prefill: bool = False,
-                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ids, positions [B, Q]; write_slots [n] where tokens write_rows [n] of the flattened [B * Q] (None:
-    the first n) store their keys and values; keys, values [layers, slots, kvH, D], dense; slots [B, C]
-    the cache slot of each context position; lengths [B]; prefill: the tokens are a prompt's (its chunk's
-    attention kernel), else generated ones (decode and verify); threads: the call's (None: torch's).
-    Returns the last layer's output x [B, Q, hidden] and the logits [B, n, vocab] at logits_index [B, n]
-    (None where ends.head is None)."""
-    B, Q = ids.shape
-    n, M, D = logits_index.shape[1], B * Q, dims.head_dim
-    f32, device = torch.float32, keys.device
-    x = torch.empty(B, Q, dims.hidden, dtype=f32, device=device)
-    logits = torch.empty(B, n, ends.vocab, dtype=f32, device=device) if ends.head is not None else None
+def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, parts: list[Rows],
+                    write_slots: torch.Tensor, write_rows: torch.Tensor | None, keys: torch.Tensor,
+                    values: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor, list | None]:
+    """parts: the step's rows, a part per attention kind, their tokens one part after the other (M in
+    all); write_slots [w] where tokens write_rows [w] of those M (None: the first w) store their keys
+    and values; keys, values [layers, slots, kvH, D], dense; threads: the call's (None: torch's).
+    Returns the last layer's output x [M, hidden] and each part's logits [B, n, vocab] at its
+    logits_index (None where ends.head is None)."""
+    D, f32, device = dims.head_dim, torch.float32, keys.device
+    flat = [(p.ids.reshape(-1), p.positions.reshape(-1)) for p in parts]
+    ids, positions = ((column[0] if len(parts) == 1 else torch.cat(column)).to(torch.int64).contiguous()
+                      for column in zip(*flat))
+    M = ids.numel()
+    held = [(p.slots.to(torch.int64).contiguous(), p.positions.to(torch.int64).contiguous(),
+             p.lengths.to(torch.int64).contiguous(), p.logits_index.to(torch.int64).contiguous()) for p in parts]
+    structs = (Part * len(parts))(*(
+        Part(slots.data_ptr(), pos.data_ptr(), lengths.data_ptr(), index.data_ptr(), *p.ids.shape,
+             slots.shape[1], index.shape[1], int(p.prefill)) for p, (slots, pos, lengths, index) in zip(parts, held)))
+    x = torch.empty(M, dims.hidden, dtype=f32, device=device)
+    wanted = [p.ids.shape[0] * p.logits_index.shape[1] for p in parts]
+    logits = torch.empty(sum(wanted), ends.vocab, dtype=f32, device=device) if ends.head is not None else None
     work = torch.empty(M * (2 * dims.hidden + (2 * dims.heads + 2 * dims.kv_heads + 1) * D + 3 * dims.inner),
                        dtype=f32, device=device)
-    ids, slots, positions, lengths, write_slots, logits_index = (t.to(torch.int64).contiguous() for t in (
-        ids, slots, positions, lengths, write_slots, logits_index))
+    write_slots = write_slots.to(torch.int64).contiguous()
     rows = None if write_rows is None else write_rows.to(torch.int64).contiguous()
-    _kernel()(layers, len(layers), ctypes.byref(ends), ids.data_ptr(), x.data_ptr(), B, Q, dims.hidden,
-              dims.heads, dims.kv_heads, D, dims.inner, dims.eps, None if rows is None else rows.data_ptr(),
-              write_slots.data_ptr(), write_slots.numel(), keys.data_ptr(), values.data_ptr(),
-              keys[0].numel(), slots.data_ptr(), positions.data_ptr(), lengths.data_ptr(), slots.shape[1],
-              paged_attention.scale(D), logits_index.data_ptr(), n,
-              None if logits is None else logits.data_ptr(), int(prefill), work.data_ptr(),
-              threads or torch.get_num_threads())
-    return x, logits
+    _kernel()(layers, len(layers), ctypes.byref(ends), ids.data_ptr(), positions.data_ptr(), x.data_ptr(), M,
+              dims.hidden, dims.heads, dims.kv_heads, D, dims.inner, dims.eps,
+              None if rows is None else rows.data_ptr(), write_slots.data_ptr(), write_slots.numel(),
+              keys.data_ptr(), values.data_ptr(), keys[0].numel(), structs, len(parts), paged_attention.scale(D),
+              None if logits is None else logits.data_ptr(), work.data_ptr(), threads or torch.get_num_threads())
+    if logits is None:
+        return x, None
+    return x, [part.view(p.ids.shape[0], p.logits_index.shape[1], ends.vocab)
+               for p, part in zip(parts, logits.split(wanted))]

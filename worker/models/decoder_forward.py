@@ -2,6 +2,8 @@
 steps it takes, and a step's call."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from worker.kernels import blocked_linear, decoder_layers, paged_attention, prefill_attention
@@ -67,14 +69,28 @@ class DecoderForward:
     def __call__(self, batch: PagedBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last layer's output x [B, Q, hidden], and the logits [B, n, V] at batch.logits_index
         (None where the head is left to the caller)."""
-        return decoder_layers.decoder_forward(
-            self.layers, self.ends, self.dims, batch.input_ids, batch.positions, batch.write_slots,
-            batch.write_rows, kv_cache[0], kv_cache[1], batch.gather_slots, batch.context_lens,
-            batch.logits_index, batch.prefill, self.threads(batch))
+        x, logits = self.forward_parts([batch], kv_cache)
+        return x.view(*batch.input_ids.shape, -1), None if logits is None else logits[0]
 
-    def threads(self, batch: PagedBatch) -> int:
+    def forward_parts(self, batches: list[PagedBatch], kv_cache: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+        """One forward over the rows of several batches (a prompt's chunk and the rows decoding beside it):
+        the last layer's output x [tokens, hidden], and each batch's logits (None: the caller's head)."""
+        parts = [decoder_layers.Rows(b.input_ids, b.positions, b.gather_slots, b.context_lens, b.logits_index,
+                                     b.prefill) for b in batches]
+        if len(batches) == 1:
+            write_rows, write_slots = batches[0].write_rows, batches[0].write_slots
+        else:  # each batch's rows are numbered after the earlier batches' tokens
+            firsts = itertools.accumulate((b.input_ids.numel() for b in batches), initial=0)
+            write_rows = torch.cat([first + (torch.arange(b.input_ids.numel(), device=b.write_slots.device)
+                                             if b.write_rows is None else b.write_rows)
+                                    for b, first in zip(batches, firsts)])
+            write_slots = torch.cat([b.write_slots for b in batches])
+        return decoder_layers.decoder_forward(self.layers, self.ends, self.dims, parts, write_slots, write_rows,
+                                              kv_cache[0], kv_cache[1], self.threads(batches))
+
+    def threads(self, batches: list[PagedBatch]) -> int:
         """One thread for a small step, else torch's: by the step's multiply-adds, each token over the
         widest row's context."""
-        tokens = batch.input_ids.numel()
-        work = tokens * (self.token_work + self.position_work * batch.gather_slots.shape[1])
+        work = sum(b.input_ids.numel() * (self.token_work + self.position_work * b.gather_slots.shape[1])
+                   for b in batches)
         return 1 if work < ONE_THREAD_WORK else torch.get_num_threads()

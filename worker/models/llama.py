@@ -277,6 +277,15 @@ class CausalLM(nn.Module):
         """[k/v, layers, slots, kv heads, head dim]: one tensor holds the whole cache."""
         return (2, self.num_layers, num_slots, self.num_kv_heads, self.head_dim)
 
+    def forward_parts(self, batches: list[PagedBatch], kv_cache: torch.Tensor) -> list[torch.Tensor]:
+        """forward() of each batch: in one call where the one-call forward takes every batch and its head."""
+        fused = self.fused_forward
+        if fused is not None and fused.has_head and all(fused.runs_on(kv_cache, b) for b in batches):
+            _, logits = fused.forward_parts(batches, kv_cache)
+            if logits is not None:
+                return logits
+        return [self.forward(batch, kv_cache) for batch in batches]
+
     def forward(self, batch: PagedBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Logits [B, n, V] at batch.logits_index (n may be 0: fill the cache only)."""
         if self.fused_forward is not None and self.fused_forward.runs_on(kv_cache, batch):
