@@ -263,6 +263,10 @@ def run_guidellm(guidellm: str, server: Server, args, load: Load, report: Path,
     rows = []
     for b in json.loads(report.read_text())["benchmarks"]:
         m = b["metrics"]
+        for failed in b["requests"]["errored"][:3]:  # the report goes with its temporary directory: say why here
+            info = failed.get("info") or {}
+            print(f"  {server.name}, {load.name} at {b['config']['strategy']['streams']} streams, a request "
+                  f"errored: {info.get('error')}", file=sys.stderr, flush=True)
         rows.append({"streams": b["config"]["strategy"]["streams"],
                      "tok_s": m["output_tokens_per_second"]["successful"]["mean"],
                      "ok": m["request_totals"]["successful"], "errored": m["request_totals"]["errored"],
