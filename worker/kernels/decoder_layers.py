@@ -1,6 +1,7 @@
-"""A decode or verify step's whole forward in one C call (decoder_layers.c), float32 on AVX-512 or
-AVX2 CPUs with blocked weights (blocked_linear.py): the embeddings and RoPE angles, every layer, the
-final norm and the head. models/decoder_forward.py lays a model out for it.
+"""A step's whole forward in one C call (decoder_layers.c), float32 on AVX-512 or AVX2 CPUs with
+blocked weights (blocked_linear.py): the embeddings and RoPE angles, every layer, the final norm and
+the head. A step's rows come in parts, one per attention kind: decode or verify rows, prompts' chunks,
+or chunks with the rows decoding beside them. models/decoder_forward.py lays a model out for it.
 
 Layer by layer in torch a step made ~13 calls a layer, each a dispatch from Python and, for the C
 kernels, a parallel region of its own: on the shipped target about 1.6 ms of an 11.7 ms step at
@@ -8,8 +9,7 @@ kernels, a parallel region of its own: on the shipped target about 1.6 ms of an 
 a client on the same cores preempts. Here one region runs the forward, its threads meeting at a
 barrier between stages. Around the layers, the embedding, RoPE's cos and sin, the gather of the
 rows with logits, the final norm and the head were ~10 more ops: 0.33 ms of the draft's 0.55 ms
-forward at 4 rows, 0.5 ms of the target's. A prompt's prefill (every row from position 0) keeps
-torch (SDPA over its own tokens).
+forward at 4 rows, 0.5 ms of the target's.
 """
 from __future__ import annotations
 
