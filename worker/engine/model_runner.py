@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from worker.kernels import paged_attention, prefill_attention
-from worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
+from worker.models.attention import BlockTables, GatherWorkspace, PagedBatch, build_paged_batch
 from worker.models.compiled import compile_model, shape_classes
 from worker.models.llama import CausalLM
 from worker.models.packed_linear import warm
@@ -99,14 +99,21 @@ class ModelRunner:
         n = max(1, num_logits) if compiled else num_logits
         if input_ids is not None and compiled and not input_ids.is_inference():
             input_ids = input_ids.clone()  # compiled graphs are guarded on inference tensors, as batches' are
-        batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, n, self.device, input_ids,
-                                  prefill)
-        if not compiled:  # a compiled forward's buffers are its own (inductor plans them)
-            batch.workspace = self.workspace
-        elif batch.write_rows is None:
+        batch = self._paged_batch(name, token_rows, starts, block_tables, n, input_ids, prefill)
+        if compiled and batch.write_rows is None:
             batch.write_rows = torch.arange(batch.write_slots.numel(), device=self.device)
         logits = self.run[name](batch, self.kv[name])
         return logits[:, :num_logits] if compiled else logits
+
+    def _paged_batch(self, name: str, token_rows: list[list[int]], starts: list[int],
+                     block_tables: list[list[int]] | BlockTables, num_logits: int,
+                     input_ids: torch.Tensor | None = None, prefill: bool = False) -> PagedBatch:
+        """The rows laid out for `name`'s forward; an eager one gathers into the runner's workspace."""
+        batch = build_paged_batch(token_rows, starts, block_tables, self.block_size, num_logits, self.device,
+                                  input_ids, prefill)
+        if self.run[name] is self.models[name]:  # a compiled forward's buffers are its own (inductor plans them)
+            batch.workspace = self.workspace
+        return batch
 
     @torch.inference_mode()
     def forward_parts(self, name: str, parts: list[tuple]) -> list[torch.Tensor]:
@@ -117,8 +124,6 @@ class ModelRunner:
         if len(parts) < 2 or self.run[name] is not model:
             return [self.forward(name, rows, starts, tables, n, prefill=prefill)
                     for rows, starts, tables, n, prefill in parts]
-        batches = [build_paged_batch(rows, starts, tables, self.block_size, n, self.device, None, prefill)
+        batches = [self._paged_batch(name, rows, starts, tables, n, prefill=prefill)
                    for rows, starts, tables, n, prefill in parts]
-        for batch in batches:
-            batch.workspace = self.workspace
         return model.forward_parts(batches, self.kv[name])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -92,11 +93,13 @@ def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, parts: 
     ids, positions = ((column[0] if len(parts) == 1 else torch.cat(column)).to(torch.int64).contiguous()
                       for column in zip(*flat))
     M = ids.numel()
-    held = [(p.slots.to(torch.int64).contiguous(), p.positions.to(torch.int64).contiguous(),
-             p.lengths.to(torch.int64).contiguous(), p.logits_index.to(torch.int64).contiguous()) for p in parts]
+    held = [(p.slots.to(torch.int64).contiguous(), p.lengths.to(torch.int64).contiguous(),
+             p.logits_index.to(torch.int64).contiguous()) for p in parts]
+    firsts = itertools.accumulate((p.ids.numel() for p in parts), initial=0)  # each part's first token
     structs = (Part * len(parts))(*(
-        Part(slots.data_ptr(), pos.data_ptr(), lengths.data_ptr(), index.data_ptr(), *p.ids.shape,
-             slots.shape[1], index.shape[1], int(p.prefill)) for p, (slots, pos, lengths, index) in zip(parts, held)))
+        Part(slots.data_ptr(), positions[first:].data_ptr(), lengths.data_ptr(), index.data_ptr(), *p.ids.shape,
+             slots.shape[1], index.shape[1], int(p.prefill))
+        for p, first, (slots, lengths, index) in zip(parts, firsts, held)))
     x = torch.empty(M, dims.hidden, dtype=f32, device=device)
     wanted = [p.ids.shape[0] * p.logits_index.shape[1] for p in parts]
     logits = torch.empty(sum(wanted), ends.vocab, dtype=f32, device=device) if ends.head is not None else None
