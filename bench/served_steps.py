@@ -34,13 +34,16 @@ from pathlib import Path
 BIG_CHUNK = 100  # prompt tokens above which a step counts as a long prompt's chunk
 
 
-def thread_clock() -> tuple[float, float, float]:
-    """(wall, CPU, queued) seconds: queued is the time this thread was runnable but waited for a core
-    (the scheduler's run delay, /proc/thread-self/schedstat), so wall - CPU - queued is time asleep.
-    The CPU time is the thread clock's: schedstat's own moves only at the scheduler's ticks."""
-    with open("/proc/thread-self/schedstat", "rb") as f:
-        queued = int(f.read().split()[1]) / 1e9
-    return time.monotonic(), time.thread_time(), queued
+def thread_clock():
+    """A clock of the calling thread: each call gives (wall, CPU, queued) seconds, queued being the time
+    the thread was runnable but waited for a core (the scheduler's run delay), so wall - CPU - queued is
+    time asleep. The CPU time is the thread clock's: schedstat's own moves only at the scheduler's ticks.
+    The file stays open: a step reads it several times."""
+    schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)  # this thread's, resolved now
+
+    def now() -> tuple[float, float, float]:
+        return time.monotonic(), time.thread_time(), int(os.pread(schedstat, 128, 0).split()[1]) / 1e9
+    return now
 
 
 def step_kind(batch) -> str:
@@ -51,20 +54,21 @@ def step_kind(batch) -> str:
 
 def trace_steps(engine, record) -> None:
     """record(kind, *step, *forward, *kernel) for every step the engine runs from now on: each the
-    (wall, CPU, queued) seconds of thread_clock on the engine thread."""
+    (wall, CPU, queued) seconds of the engine thread's clock. Call it on that thread."""
     from worker.kernels import decoder_layers
 
     forward, kernel, depth, scheduled = [0.0] * 3, [0.0] * 3, [0], []
     runner, schedule, step = engine.runner, engine.scheduler.schedule, engine.step
+    clock = thread_clock()  # called on the engine thread, which runs every step
 
     def timed(call, into):
-        """call, its thread_clock times added to `into`."""
+        """call, its clock times added to `into`."""
         def timed_call(*args, **kwargs):
-            start = thread_clock()
+            start = clock()
             try:
                 return call(*args, **kwargs)
             finally:
-                for i, (end, begin) in enumerate(zip(thread_clock(), start)):
+                for i, (end, begin) in enumerate(zip(clock(), start)):
                     into[i] += end - begin
         return timed_call
 
@@ -94,10 +98,10 @@ def trace_steps(engine, record) -> None:
     def timed_step(*args, **kwargs):
         forward[:] = kernel[:] = [0.0] * 3
         scheduled.clear()
-        start = thread_clock()
+        start = clock()
         outputs = step(*args, **kwargs)
         if scheduled and scheduled[0] is not None:
-            record(step_kind(scheduled[0]), *(end - begin for end, begin in zip(thread_clock(), start)),
+            record(step_kind(scheduled[0]), *(end - begin for end, begin in zip(clock(), start)),
                    *forward, *kernel)
         return outputs
 
