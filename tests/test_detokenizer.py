@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from worker.config import DEFAULT_MODEL
-from worker.engine.detokenizer import IncrementalText
+from worker.engine.detokenizer import IncrementalText, text_decoder
 
 CORPUS = ["déjà vu: naïve café ☕ — 東京 and 😀 emoji", "def f(x):\n    return x ** 2  # square",
           "Hello, world! It's a test. Don't stop."] * 20
@@ -35,7 +35,7 @@ def streams(tokenizer, seed: int):
 def test_each_step_matches_a_whole_decode(kind):
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL) if kind.startswith("shipped") else metaspace_tokenizer()
     for ids in streams(tokenizer, seed=0):
-        text = IncrementalText(tokenizer, [])
+        text = IncrementalText(text_decoder(tokenizer), [])
         for n in range(1, len(ids) + 1):
             text.update(ids[:n])
             assert text.text == tokenizer.decode(ids[:n], skip_special_tokens=True), n
@@ -43,24 +43,34 @@ def test_each_step_matches_a_whole_decode(kind):
         assert text.text == tokenizer.decode(ids[:-1], skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("kind", ["shipped byte-level", "sentencepiece-style"])
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_decoder_gives_what_the_tokenizer_decodes(kind, clean_up):
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL) if kind.startswith("shipped") else metaspace_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = clean_up  # on: the wrapper's clean-up, so the wrapper decodes
+    decode = text_decoder(tokenizer)
+    assert (decode.func == tokenizer.decode) is clean_up
+    for ids in [*streams(tokenizer, seed=1), tokenizer.encode("a , b . c !", add_special_tokens=False)]:
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def test_decoding_windows_stay_short():
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     ids = tokenizer.encode("word " * 400, add_special_tokens=False)
     lengths = []
-    decode = tokenizer.decode
-    tokenizer.decode = lambda part, **kw: lengths.append(len(part)) or decode(part, **kw)
-    text = IncrementalText(tokenizer, ["never"])
+    decode = text_decoder(tokenizer)
+    text = IncrementalText(lambda part: lengths.append(len(part)) or decode(part), ["never"])
     for n in range(1, len(ids) + 1):
         text.update(ids[:n])
         text.delta(final=False)
-    assert text.text == decode(ids) and len(ids) >= 400
+    assert text.text == tokenizer.decode(ids) and len(ids) >= 400
     assert max(lengths) <= 4
 
 
 def test_a_stop_string_split_across_tokens_is_found_and_cut():
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     ids = tokenizer.encode("alpha beta STOP gamma", add_special_tokens=False)
-    text = IncrementalText(tokenizer, ["STOP"])
+    text = IncrementalText(text_decoder(tokenizer), ["STOP"])
     out = ""
     for n in range(1, len(ids) + 1):
         if text.update(ids[:n]):

@@ -1,6 +1,19 @@
 """Incremental text for streaming, with stop strings held back until they are decided."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
+
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """token ids -> text, special tokens skipped: what `tokenizer.decode(ids, skip_special_tokens=True)`
+    gives. Straight through the Rust tokenizer where transformers' wrapper adds nothing (no clean-up
+    of spaces): the wrapper made decoding a streaming window of 3 tokens 4.4x slower (2.4 us vs 0.5)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return partial(backend.decode, skip_special_tokens=True)
+    return partial(tokenizer.decode, skip_special_tokens=True)
+
 
 class IncrementalText:
     """Decodes a request's output tokens and hands out only text that is final.
@@ -11,8 +24,8 @@ class IncrementalText:
     character split across tokens); its text past the previous tokens' is the new text.
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self.decode = decode  # text_decoder(tokenizer)
         self.stop = stop
         self.text = ""
         self.emitted = 0
@@ -34,15 +47,15 @@ class IncrementalText:
     def _decode(self, ids: list[int]) -> str:
         if len(ids) < self._read:  # tokens taken back (a stop token's): decode again from the start
             self._settled, self._start, self._read, self._known = "", 0, 0, ""
-        window = self.tokenizer.decode(ids[self._start:], skip_special_tokens=True)
+        window = self.decode(ids[self._start:])
         if not window.startswith(self._known):  # the tokenizer rewrote earlier text: the long way
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.decode(ids)
         new = window[len(self._known):]
         if not new or new.endswith("\ufffd"):
             return self._settled + new  # a character still split: settle it with the next token
         self._settled += new
         self._start, self._read = self._read, len(ids)
-        self._known = self.tokenizer.decode(ids[self._start:], skip_special_tokens=True)
+        self._known = self.decode(ids[self._start:])
         return self._settled
 
     def delta(self, final: bool) -> str:

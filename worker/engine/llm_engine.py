@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from worker.config import EngineConfig
 from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalText, TokenTexts
+from worker.engine.detokenizer import IncrementalText, TokenTexts, text_decoder
 from worker.engine.memory_setup import plan_memory
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import EngineStats, RequestOutput, TokenLogprob
@@ -95,6 +95,7 @@ class LLMEngine:
         self.eos_token_ids = eos_ids(self.tokenizer, target.config)
         self.vocab_size = target.config.vocab_size
         self._token_texts = TokenTexts(self.tokenizer)
+        self._decode_text = text_decoder(self.tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._text: dict[str, IncrementalText] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -122,7 +123,7 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if not all(0 <= t < self.vocab_size for t in token_ids):  # out of range, the embedding reads garbage
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:  # out of range, the embedding reads garbage
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if len(token_ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
@@ -133,7 +134,7 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params)
         if params.seed is not None:  # its own generator: its draws do not depend on its batch
             self._generators[request_id] = torch.Generator(self.device.torch_device).manual_seed(params.seed)
-        self._text[request_id] = IncrementalText(self.tokenizer, params.stop)
+        self._text[request_id] = IncrementalText(self._decode_text, params.stop)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id

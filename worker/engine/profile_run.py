@@ -5,7 +5,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalText
+from worker.engine.detokenizer import IncrementalText, text_decoder
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import RowParams, draw, propose
 from worker.engine.sampling_params import SamplingParams
@@ -119,7 +119,7 @@ def request_states(config: EngineConfig, tokenizer, device: torch.device, count:
         seq.block_table = list(range(config.max_blocks_per_seq))
         if config.prefix_caching:
             seq.block_hashes = [hash((i, b)) for b in range(config.max_model_len // config.block_size)]
-        text = IncrementalText(tokenizer, []) if tokenizer is not None else None
+        text = IncrementalText(text_decoder(tokenizer), []) if tokenizer is not None else None
         if text is not None:
             text.update(seq.output_token_ids)
         states.append((seq, text, torch.Generator(device).manual_seed(i)))

@@ -124,7 +124,8 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def server_state(request: Request) -> ServerState:
+async def server_state(request: Request) -> ServerState:
+    # async: FastAPI runs a plain function dependency on a worker thread, a GIL round trip per request
     return request.app.state.server
 
 
