@@ -111,6 +111,7 @@ def request_states(config: EngineConfig, tokenizer, device: torch.device, count:
     """
     vocab = max(2, getattr(tokenizer, "vocab_size", 0) or 2)
     half = config.max_model_len // 2
+    decode = text_decoder(tokenizer) if tokenizer is not None else None
     states = []
     for i in range(config.max_num_seqs if count is None else count):
         ids = torch.randint(1, vocab, (config.max_model_len,), generator=torch.Generator().manual_seed(i))
@@ -119,7 +120,7 @@ def request_states(config: EngineConfig, tokenizer, device: torch.device, count:
         seq.block_table = list(range(config.max_blocks_per_seq))
         if config.prefix_caching:
             seq.block_hashes = [hash((i, b)) for b in range(config.max_model_len // config.block_size)]
-        text = IncrementalText(text_decoder(tokenizer), []) if tokenizer is not None else None
+        text = IncrementalText(decode, []) if decode is not None else None
         if text is not None:
             text.update(seq.output_token_ids)
         states.append((seq, text, torch.Generator(device).manual_seed(i)))
