@@ -51,3 +51,15 @@ def test_tokens_that_arrive_apart_are_written_apart():
     writes = run_stream([], [output("a", 1), output("b", 2), output("c", 3, finished=True)])
     assert len(writes) == 3
     assert texts(writes) == ["a", "b", "c"]
+
+
+def test_no_document_is_cut_by_a_client_that_splits_lines_like_splitlines():
+    # httpx's aiter_lines (guidellm's reader) breaks lines wherever str.splitlines does, which
+    # includes characters a model can generate and JSON may carry raw: U+0085, U+2028, U+2029.
+    breaks = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+    sent = [f"a{c}b" for c in breaks] + ["é€😀"]
+    writes = run_stream([], [output(t, i + 1, finished=i == len(sent) - 1) for i, t in enumerate(sent)])
+    lines = [line for line in "".join(writes).splitlines() if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    docs = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert [d["choices"][0]["text"] for d in docs if d["choices"]] == sent

@@ -28,7 +28,9 @@ class Job:
 
 
 def sse(doc: dict) -> str:
-    return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
+    # ASCII only: U+0085, U+2028 and U+2029 are legal raw in JSON, but clients that split a stream
+    # the way str.splitlines does (httpx's aiter_lines, so guidellm) would cut the document there.
+    return f"data: {json.dumps(doc)}\n\n"
 
 
 async def merged(streams: list[asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput | EngineFailed]]:
