@@ -189,6 +189,7 @@ def our_server(name: str, args, port: int, draft: bool, env: dict | None = None,
     command += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.k),
                 "--speculation", speculation] if draft else ["--no-draft"]
     command += ["--compile"] * compiled
+    command += ["--cpu-threads", str(args.ours_cpu_threads)] if args.ours_cpu_threads else []
     return Server(name, command, Path(args.model).name, env=env or {}, metrics="ours" if draft else None,
                   port=port, startup_timeout=STARTUP_TIMEOUT + 900 * compiled)  # compiling: 4-5 min idle
 
@@ -551,6 +552,8 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4, help="speculative tokens per step (vLLM and ours)")
     parser.add_argument("--concurrency", default="1,4,16,32", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--requests-per-stream", type=int, default=3)
+    parser.add_argument("--ours-cpu-threads", type=int, default=None, metavar="N",
+                        help="our servers' --cpu-threads (default: theirs, every core but one)")
     parser.add_argument("--min-requests", type=int, default=8, help="at least this many at each concurrency")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="also end each concurrency's run after this long (in-flight requests are cut)")

@@ -5,14 +5,13 @@ import os
 
 import pytest
 
-from worker.cli import SPIN_BEFORE_SLEEP, build_parser, engine_config, main
+from worker.cli import SPIN_BEFORE_SLEEP, build_parser, default_cpu_threads, engine_config, main
 from worker.config import EngineConfig
 
 
-def test_cpu_threads_flag_reaches_the_config_and_defaults_to_torchs_choice():
-    parser = build_parser()
-    assert engine_config(parser.parse_args(["profile", "--cpu-threads", "3"])).cpu_threads == 3
-    assert engine_config(parser.parse_args(["profile"])).cpu_threads is None
+def test_cpu_threads_flag_reaches_the_config(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert engine_config(build_parser().parse_args(["profile", "--cpu-threads", "3"])).cpu_threads == 3
 
 
 def test_cpu_threads_below_one_is_refused():
@@ -20,12 +19,22 @@ def test_cpu_threads_below_one_is_refused():
         EngineConfig(cpu_threads=0)
 
 
-def test_serve_and_profile_take_every_core_unless_told(monkeypatch):
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 2), (64, 63)])
+def test_a_step_leaves_one_core_to_the_servers_own_threads(monkeypatch, cores, threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_cpu_threads(cores) == threads
+
+
+def test_serve_and_profile_take_every_core_but_one_unless_told(monkeypatch):
     parser = build_parser()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
     for command in ("serve", "profile"):
-        assert engine_config(parser.parse_args([command])).cpu_threads is None  # torch's: every core
+        assert engine_config(parser.parse_args([command])).cpu_threads == max(1, cores - 1)
         assert engine_config(parser.parse_args([command, "--cpu-threads", "3"])).cpu_threads == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the operator's: torch reads it
+        assert engine_config(parser.parse_args([command])).cpu_threads is None
+        monkeypatch.delenv("OMP_NUM_THREADS")
 
 
 @pytest.mark.parametrize("preset", [None, "ACTIVE", "PASSIVE"])

@@ -45,8 +45,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "reuses its cached KV blocks)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                   help="threads of a step on the CPU (default: OMP_NUM_THREADS when set, else every core); "
-                        "small steps run on one")
+                   help="threads of a step on the CPU (default: OMP_NUM_THREADS when set, else every core but "
+                        "one, left to the server's HTTP and tokenizer threads); small steps run on one")
     p.add_argument("--compile", action="store_true",
                    help="compile both models with torch.compile (inductor) at startup (minutes); the "
                         "ledger's `compiled` entry holds what it costs. Not faster on the CPU so far "
@@ -63,6 +63,19 @@ def add_waiting_flag(p: argparse.ArgumentParser) -> None:
                         "`server` entry holds max-num-seqs + N requests in flight")
 
 
+def default_cpu_threads(cores: int | None = None) -> int | None:
+    """A step's threads when --cpu-threads is not given: None (torch's own) where OMP_NUM_THREADS is
+    set, else every core but one. The server's own threads (HTTP, tokenizers) and a client on the
+    host need a core; one that preempts a step's thread stalls the others at its next barrier, so
+    on 2 cores one thread served as fast as two or faster (docs/engine.md). vLLM's CPU build
+    reserves a core too."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, draft_model=None if args.no_draft else args.draft_model,
@@ -72,7 +85,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
         block_size=args.block_size,
-        cpu_threads=args.cpu_threads, compile=args.compile,
+        cpu_threads=default_cpu_threads() if args.cpu_threads is None else args.cpu_threads, compile=args.compile,
         compile_backend=args.compile_backend)
 
 
