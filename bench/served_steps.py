@@ -4,11 +4,11 @@ engine alone, step by step.
     python bench/served_steps.py [--runs 3] [--draft]
 
 Each run starts our worker (plain, or with the draft and adaptive k) with its engine steps traced: this
-script runs itself as the server (`--serve TRACE -- worker args`), timing each step and its forward on the
-engine thread. guidellm drives bench/serve.py's shared-prefix load once (8 streams, 24 requests, the
+script runs itself as the server (`--serve TRACE -- worker args`), timing each step and its forward on
+the engine thread. guidellm drives bench/serve.py's shared-prefix load once (8 streams, 24 requests, the
 prefix not yet cached), while the cores' use is sampled every 10 ms. Then the same shape runs in the
-engine alone, in this process: 8 closed-loop streams, 24 requests of one 1024-token prefix + 32 tokens,
-32 output tokens each.
+engine alone, in this process, on the server's threads: 8 closed-loop streams, 24 requests of one
+1024-token prefix + 32 tokens, 32 output tokens each.
 
 Per kind of step (a long prompt's chunk alone, a mixed step: a chunk beside decoding streams, a decode
 step), prints the medians over every run of the wall time of the step, of its forward and of the
