@@ -91,6 +91,31 @@ def test_metrics_of_several_apps_live_in_their_own_registries(checkpoints, accep
     never.set()
 
 
+@pytest.mark.parametrize("load_ends", ["fails", "returns"])
+def test_a_server_stopped_while_loading_reports_no_failure(checkpoints, caplog, load_ends):
+    release, fatal = threading.Event(), []
+
+    def engine_still_loading(config):
+        release.wait(60)
+        if load_ends == "fails":  # what a load cut short by the shutdown meets (its helper threads are gone)
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return LLMEngine(config)
+
+    app = create_app(small_config(checkpoints["llama"]), ServerSettings(metrics=False),
+                     engine_factory=engine_still_loading)
+    engine_loop = app.state.server.engine_loop
+    engine_loop.on_fatal = fatal.append
+    with caplog.at_level(logging.INFO, logger="worker.http.engine_loop"):
+        with TestClient(app):
+            pass
+        release.set()
+        engine_loop._thread.join(60)
+    assert not engine_loop._thread.is_alive()
+    said = [r for r in caplog.records if r.thread == engine_loop._thread.ident]  # not other tests' threads
+    assert [r.levelname for r in said] == ["INFO"] and "stopped while the engine loaded" in said[0].getMessage()
+    assert fatal == [] and engine_loop.error is None and engine_loop.engine is None
+
+
 def test_an_unexpected_error_is_a_500_logged_once_and_its_connection_serves_on(checkpoints, caplog):
     never = threading.Event()
     app = create_app(small_config(checkpoints["llama"]), ServerSettings(metrics=False),
@@ -117,10 +142,10 @@ def test_an_unexpected_error_is_a_500_logged_once_and_its_connection_serves_on(c
             assert crashed.json()["error"] == {"message": "internal server error", "type": "server_error",
                                                "param": None, "code": "internal_error"}
             assert client.get("/health").status_code == 503  # the same connection answers (loading)
-        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.thread == thread.ident]
         assert len(errors) == 1 and errors[0].exc_info is not None
         assert "/test/broken" in errors[0].getMessage()
     finally:
         server.should_exit = True
+        thread.join(10)  # the app stops its engine loop first: the fake's return is then never stepped
         never.set()
-        thread.join(10)

@@ -136,8 +136,14 @@ class EngineLoop:
         try:
             engine = self._build()
         except Exception as exc:  # noqa: BLE001 - reported and handed to on_fatal
+            if self._stopping:  # the server shut down mid-load (and took the tokenizer's threads): no fault
+                log.info("the server stopped while the engine loaded: %s", exc)
+                return
             log.error("the engine could not be loaded: %s", exc)
             self._die(exc)
+            return
+        if self._stopping:
+            log.info("the server stopped while the engine loaded")
             return
         self.engine = engine
         log.info("engine ready in %.1f s", time.monotonic() - started)
