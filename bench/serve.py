@@ -545,7 +545,9 @@ def guidellm_version() -> str:
         return "(from the vLLM venv)"
 
 
-def main() -> int:
+def options() -> argparse.ArgumentParser:
+    """This script's options; bench/served_steps.py parses its own fixed ones with it, so that every
+    option the servers and loads read has its default."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(ASSETS / "tiny-coder-target"))
     parser.add_argument("--draft-model", default=str(ASSETS / "tiny-coder-draft"))
@@ -568,6 +570,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every server this many times, order rotated each round; print the spread")
     parser.add_argument("--json", metavar="FILE", help="also write the raw results here")
+    return parser
+
+
+def main() -> int:
+    parser = options()
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")

@@ -183,10 +183,7 @@ class CoreUse:
 def served(args) -> tuple[list[tuple], tuple[float, float, float], str]:
     import serve as bench
 
-    ns = argparse.Namespace(model=str(bench.ASSETS / "tiny-coder-target"),
-                            draft_model=str(bench.ASSETS / "tiny-coder-draft"), concurrency=[8], k=4,
-                            min_requests=8, requests_per_stream=3, max_seconds=None, prompt_tokens=32,
-                            output_tokens=32, ours_cpu_threads=None)
+    ns = bench.options().parse_args(["--concurrency", "8", "--requests-per-stream", "3"])
     load = bench.build_loads(ns, ["shared-prefix"])["shared-prefix"]
     logdir = Path(tempfile.mkdtemp())
     trace = logdir / "steps.txt"

@@ -1,4 +1,5 @@
-"""bench/serve.py's verdict on the serving goals, from figures given here (no server runs)."""
+"""bench/serve.py without a server: its verdict on the serving goals from figures given here, and the
+commands and loads its options build."""
 import argparse
 import importlib.util
 import sys
@@ -61,3 +62,12 @@ def test_a_failed_server_leaves_its_goals_unjudged(serve):
     verdict = serve.goals({"vllm": result(shared=(200, 1000)), "ours": result()},
                           loads(serve, "shared-prefix"))
     assert list(verdict.values()) == [None, None]  # ours has no shared-prefix figures
+
+
+def test_the_options_defaults_build_every_server_and_load(serve):
+    # bench/served_steps.py parses its fixed options this way: an option added to serve.py has its default.
+    args = serve.options().parse_args(["--concurrency", "8", "--ours-cpu-threads", "1"])
+    command = serve.our_server("ours", args, 8123, draft=True, speculation="adaptive").command
+    assert command[command.index("--max-num-seqs") + 1] == "8" and command[command.index("--cpu-threads") + 1] == "1"
+    assert command[command.index("--speculation") + 1] == "adaptive"
+    assert set(serve.build_loads(args, list(serve.LOADS))) == set(serve.LOADS)
