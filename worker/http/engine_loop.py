@@ -54,7 +54,8 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the current step and end the thread; a thread still loading is left (a daemon)."""
+        """Finish the current step and end the thread; a thread still loading is left (a daemon): it
+        ends when the load does, without stepping or reporting a failure."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
