@@ -6,6 +6,7 @@ import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -47,7 +48,8 @@ def test_exporter_exits_promptly_during_a_stuck_scrape(spawn, tmp_path):  # noqa
     try:
         assert proc.wait(timeout=PROMPT) == 0
     except subprocess.TimeoutExpired:
-        pytest.fail("the exporter waits for a stuck scrape instead of exiting on SIGTERM")
+        pytest.fail("the exporter waits for a stuck scrape instead of exiting on SIGTERM; its threads' "
+                    f"signal state:\n{_signal_state(proc.pid)}")
     for server, _ in listeners:
         server.close()
 
@@ -64,6 +66,16 @@ def _accept(server: socket.socket) -> bool:
 
 
 _held: list[socket.socket] = []
+
+
+def _signal_state(pid: int) -> str:
+    """Each thread's state and signal masks from /proc: whether SIGTERM is pending, blocked or caught."""
+    fields = ("Name", "State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    lines = []
+    for status in sorted(Path(f"/proc/{pid}/task").glob("*/status")):
+        pairs = (line.split(":\t", 1) for line in status.read_text().splitlines())
+        lines.append(" ".join(f"{k}={v.strip()}" for k, v in pairs if k in fields))
+    return "\n".join(lines)
 
 
 def _scrape_ignoring_errors(port: int) -> None:
