@@ -3,7 +3,6 @@ the ledger tokenizes is the costliest; a long prompt's heap goes back once it is
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import subprocess
@@ -48,38 +47,46 @@ def test_a_long_prompt_delays_only_itself(encoder):
     assert asyncio.run(race()) == ["short", "short", "long"]
 
 
-def costs_of_tokenizing() -> dict[str, int]:
-    """Peak memory of tokenizing the ledger's text ("ledger") and others as long as the bound lets
-    through, measured in a fresh process: in one that ran other tests first, freed heap they left
-    behind hid part of one text's peak and not another's."""
+def texts_as_long_as_the_bound_lets_through(bound, max_model_len: int) -> dict[str, str]:
+    """The ledger's text ("ledger") and others a prompt may be, each as long as the bound lets through."""
+    units = bound.max_units(max_model_len)
+    rng = random.Random(0)
+    return {"ledger": longest_text(bound, max_model_len, 1 << 30), "spaces": " " * units,
+            "code": ("def f(x):\n    return x + 1\n" * units)[:units],
+            "letters": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(units)),
+            "cjk": "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(units // 3))}
+
+
+def cost_of_tokenizing(name: str) -> int:
+    """Peak memory of tokenizing one of those texts, run in a process of its own: in one that
+    tokenized another text first (or ran other tests), the freed heap that left behind hid part of
+    the peak, more of a later text's than of an earlier one's."""
     encoder = PromptEncoder()
     encoder.load(SHIPPED)
-    device, max_model_len = CpuDevice(), 2048
-    units = encoder.bound.max_units(max_model_len)
-    rng = random.Random(0)
-    texts = {"ledger": longest_text(encoder.bound, max_model_len, 1 << 30), "spaces": " " * units,
-             "code": ("def f(x):\n    return x + 1\n" * units)[:units],
-             "letters": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(units)),
-             "cjk": "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(units // 3))}
-    costs = {}
-    for name, text in texts.items():
-        encoder.bound.check(text, max_model_len, "prompt")  # each may be a prompt: it is tokenized
-        costs[name] = measure_held(device, lambda: encoder._encode(text, False), peak=True)
+    max_model_len = 2048
+    text = texts_as_long_as_the_bound_lets_through(encoder.bound, max_model_len)[name]
+    encoder.bound.check(text, max_model_len, "prompt")  # it may be a prompt: it is tokenized
+    cost = measure_held(CpuDevice(), lambda: encoder._encode(text, False), peak=True)
     encoder.shutdown()
-    return costs
+    return cost
 
 
-def test_the_ledger_tokenizes_the_costliest_text_a_prompt_may_have():
-    """Of texts as long as the bound lets through, the ledger's (one token per byte) takes the most
-    memory to tokenize."""
-    code = "import json, test_prompt_encoder as t; print(json.dumps(t.costs_of_tokenizing()))"
+def cost_in_a_fresh_process(name: str) -> int:
+    code = f"import test_prompt_encoder as t; print(t.cost_of_tokenizing({name!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                           cwd=Path(__file__).resolve().parent.parent,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr[-2000:]
-    costs = json.loads(done.stdout.splitlines()[-1])
+    return int(done.stdout.splitlines()[-1])
+
+
+def test_the_ledger_tokenizes_the_costliest_text_a_prompt_may_have(encoder):
+    """Of texts as long as the bound lets through, the ledger's (one token per byte) takes the most
+    memory to tokenize."""
+    names = texts_as_long_as_the_bound_lets_through(encoder.bound, 2048)
+    costs = {name: cost_in_a_fresh_process(name) for name in names}
     for name, cost in costs.items():
-        assert cost <= costs["ledger"] + MiB, name
+        assert cost <= costs["ledger"] + MiB, (name, costs)
 
 
 def test_a_prompt_refused_after_tokenizing_leaves_its_heap_behind_no_longer(encoder):
