@@ -1,5 +1,5 @@
 """The prompt encoder: off the event loop on two lanes, so a long prompt delays only itself; the text
-the ledger tokenizes is the costliest; a long prompt's heap goes back once it is tokenized."""
+the ledger tokenizes costs the most of several; a long prompt's heap goes back once it is tokenized."""
 from __future__ import annotations
 
 import asyncio
@@ -81,8 +81,8 @@ def cost_in_a_fresh_process(name: str) -> int:
 
 
 def test_the_ledger_tokenizes_the_costliest_text_a_prompt_may_have(encoder):
-    """Of texts as long as the bound lets through, the ledger's (one token per byte) takes the most
-    memory to tokenize."""
+    """Of these texts as long as the bound lets through, the ledger's (one token per byte) takes the
+    most memory to tokenize. Not of every text: random 2-byte characters take more (docs/ledger.md)."""
     names = texts_as_long_as_the_bound_lets_through(encoder.bound, 2048)
     costs = {name: cost_in_a_fresh_process(name) for name in names}
     for name, cost in costs.items():

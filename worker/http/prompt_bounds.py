@@ -102,7 +102,7 @@ def body_limit(bound: PromptBound | None, max_model_len: int, cap: int) -> int:
 
 
 def longest_text(bound: PromptBound | None, max_model_len: int, max_body_bytes: int) -> str:
-    """The prompt text that passes the bound (or fits the body) and costs the most."""
+    """The prompt text that passes the bound (or fits the body) and makes the most tokens."""
     chars = max_body_bytes // 4
     if bound is not None:
         chars = min(chars, bound.max_units(max_model_len) // (4 if bound.in_bytes else 1))
