@@ -109,6 +109,27 @@ def longest_text(bound: PromptBound | None, max_model_len: int, max_body_bytes: 
     return costliest_text(chars)
 
 
+def ledger_texts(bound: PromptBound | None, max_model_len: int, max_body_bytes: int) -> list[str]:
+    """The prompt texts the ledger tokenizes, one after another, for the most memory tokenizing takes:
+    longest_text (the most tokens) and mixed_two_byte_text (the shipped tokenizer's costliest)."""
+    return [longest_text(bound, max_model_len, max_body_bytes),
+            mixed_two_byte_text(bound, max_model_len, max_body_bytes)]
+
+
+def mixed_two_byte_text(bound: PromptBound | None, max_model_len: int, max_body_bytes: int) -> str:
+    """Random characters of U+0080-U+07FF (2 bytes each in UTF-8: letters, marks and symbols of many
+    scripts mixed), as many as pass the bound (or fit the body). On the shipped tokenizer it takes
+    about half as much memory again to tokenize as longest_text's, with as many tokens."""
+    chars = max_body_bytes // 2
+    if bound is not None:
+        chars = min(chars, bound.max_units(max_model_len) // (2 if bound.in_bytes else 1))
+    rng = random.Random(0)
+    text = "".join(chr(rng.randrange(0x80, 0x800)) for _ in range(chars))
+    while bound is not None and bound.length(text) > bound.max_units(max_model_len):
+        text = text[:-1 - (bound.length(text) - bound.max_units(max_model_len)) // 3]  # normalizing lengthened it
+    return text
+
+
 def costliest_text(chars: int) -> str:
     """Random private-use characters of the supplementary planes: 4 bytes each in a Python string and
     in UTF-8, and no vocabulary merges them, so a tokenizer makes one token per byte."""

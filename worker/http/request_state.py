@@ -20,7 +20,7 @@ from worker.config import EngineConfig
 from worker.engine.outputs import RequestOutput
 from worker.engine.profile_run import request_states
 from worker.http.choices import Job
-from worker.http.prompt_bounds import body_limit, costliest_text, longest_text
+from worker.http.prompt_bounds import body_limit, costliest_text, ledger_texts, longest_text
 from worker.http.prompt_encoder import IN_STAGE, SHORT_CHARS, PromptEncoder
 from worker.http.renderer import ResponseRenderer
 from worker.http.request_models import (
@@ -69,7 +69,8 @@ def prompt_stage(encoder: PromptEncoder, max_model_len: int, max_body_bytes: int
     """The requests being parsed and tokenized: IN_STAGE with large bodies, each a conversation of
     max_model_len - 1 messages whose texts are the longest a prompt may have, IN_STAGE with small
     ones, one body at the limit being parsed (small and large bodies at their costliest: empty
-    messages, the most objects per byte), and the longest texts tokenized on both lanes at once."""
+    messages, the most objects per byte), and the ledger's texts (prompt_bounds.ledger_texts), each
+    tokenized on both lanes at once."""
     text = longest_text(encoder.bound, max_model_len, max_body_bytes)
     count = max_model_len - 1
     piece = max(1, len(text) // count)
@@ -78,7 +79,11 @@ def prompt_stage(encoder: PromptEncoder, max_model_len: int, max_body_bytes: int
         for _ in range(IN_STAGE)]
     small = [parsed_empty_messages(SHORT_CHARS) for _ in range(IN_STAGE)]
     parsing = parsed_empty_messages(body_limit(encoder.bound, max_model_len, max_body_bytes))
-    tokenizing = encoder.tokenize_on_both_lanes(text) if encoder.tokenizer is not None else []
+    tokenizing: list[list[int]] = []
+    if encoder.tokenizer is not None:  # one after another: the peak measured is the costlier's
+        for candidate in ledger_texts(encoder.bound, max_model_len, max_body_bytes):
+            tokenizing = []  # the earlier text's token ids go first: a lane holds one prompt's at a time
+            tokenizing = encoder.tokenize_on_both_lanes(candidate)
     return [conversations, small, parsing, tokenizing]
 
 
