@@ -125,8 +125,8 @@ def mixed_two_byte_text(bound: PromptBound | None, max_model_len: int, max_body_
         chars = min(chars, bound.max_units(max_model_len) // (2 if bound.in_bytes else 1))
     rng = random.Random(0)
     text = "".join(chr(rng.randrange(0x80, 0x800)) for _ in range(chars))
-    while bound is not None and bound.length(text) > bound.max_units(max_model_len):
-        text = text[:-1 - (bound.length(text) - bound.max_units(max_model_len)) // 3]  # normalizing lengthened it
+    while bound is not None and (excess := bound.length(text) - bound.max_units(max_model_len)) > 0:
+        text = text[:-1 - excess // 3]  # the tokenizer's normalization lengthened it
     return text
 
 

@@ -20,7 +20,7 @@ from worker.config import EngineConfig
 from worker.engine.outputs import RequestOutput
 from worker.engine.profile_run import request_states
 from worker.http.choices import Job
-from worker.http.prompt_bounds import body_limit, costliest_text, ledger_texts, longest_text
+from worker.http.prompt_bounds import body_limit, costliest_text, ledger_texts
 from worker.http.prompt_encoder import IN_STAGE, SHORT_CHARS, PromptEncoder
 from worker.http.renderer import ResponseRenderer
 from worker.http.request_models import (
@@ -71,7 +71,8 @@ def prompt_stage(encoder: PromptEncoder, max_model_len: int, max_body_bytes: int
     ones, one body at the limit being parsed (small and large bodies at their costliest: empty
     messages, the most objects per byte), and the ledger's texts (prompt_bounds.ledger_texts), each
     tokenized on both lanes at once."""
-    text = longest_text(encoder.bound, max_model_len, max_body_bytes)
+    texts = ledger_texts(encoder.bound, max_model_len, max_body_bytes)
+    text = texts[0]  # longest_text: the most tokens, and the most bytes a Python string holds for them
     count = max_model_len - 1
     piece = max(1, len(text) // count)
     conversations = [ChatCompletionRequest.model_validate({"model": "m", "messages": [
@@ -81,7 +82,7 @@ def prompt_stage(encoder: PromptEncoder, max_model_len: int, max_body_bytes: int
     parsing = parsed_empty_messages(body_limit(encoder.bound, max_model_len, max_body_bytes))
     tokenizing: list[list[int]] = []
     if encoder.tokenizer is not None:  # one after another: the peak measured is the costlier's
-        for candidate in ledger_texts(encoder.bound, max_model_len, max_body_bytes):
+        for candidate in texts:
             tokenizing = []  # the earlier text's token ids go first: a lane holds one prompt's at a time
             tokenizing = encoder.tokenize_on_both_lanes(candidate)
     return [conversations, small, parsing, tokenizing]
