@@ -14,7 +14,6 @@ import threading
 from fastapi import FastAPI
 
 from worker import cli
-from worker.engine.llm_engine import LLMEngine
 from worker.http import server
 from worker.http.engine_loop import EngineLoop
 
@@ -23,10 +22,12 @@ opened = threading.Event()
 
 
 def gated(step):
-    def gated_step(self, *args, **kwargs):
+    def gated_step(self: EngineLoop):
+        # Steps hold their outputs until the next one's kernel starts: a shut gate hands them out first.
+        self._post_held()
         while not opened.is_set() and not permits.acquire(timeout=0.05):
             pass
-        return step(self, *args, **kwargs)
+        return step(self)
     return gated_step
 
 
@@ -50,7 +51,7 @@ def with_gate_route(app: FastAPI) -> FastAPI:
 
 
 if __name__ == "__main__":
-    LLMEngine.step = gated(LLMEngine.step)
+    EngineLoop._step = gated(EngineLoop._step)
     EngineLoop.stop = opening(EngineLoop.stop)
     real_create_app = server.create_app
     server.create_app = lambda *args, **kwargs: with_gate_route(real_create_app(*args, **kwargs))

@@ -1,6 +1,8 @@
 """Target and draft models, their KV caches, and one batched forward over block tables."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from worker.kernels import paged_attention, prefill_attention
@@ -20,6 +22,14 @@ class ModelRunner:
         self.kv: dict[str, torch.Tensor] = {}
         self.workspace = GatherWorkspace()
         self.run = dict(self.models)  # what forward() calls per model: the model, or it compiled
+
+    def on_compute(self, hook: Callable[[], None]) -> None:
+        """hook() is called as each forward's one-call kernel starts, its inputs built and the GIL about
+        to be released (the CPU's; other forwards never call it): a server hands the previous step's
+        outputs to its event loop there, whose work on them then overlaps the kernel (EngineLoop)."""
+        for model in self.models.values():
+            if model.fused_forward is not None:
+                model.fused_forward.on_launch = hook
 
     def bytes_per_block(self, name: str | None = None) -> int:
         """KV bytes one block holds for one model, or for all of them."""

@@ -207,7 +207,8 @@ class RequestMetrics:
             self.finished.labels("abort").inc()
 
     def step(self, outputs: list[RequestOutput], started: float, ended: float) -> None:
-        """Observe one step's outputs; `started`/`ended` bracket the engine step (monotonic)."""
+        """Observe one step's outputs: `started` when the step began, `ended` when its outputs went to
+        the server's event loop (monotonic)."""
         for out in outputs:
             timing = self._timings.get(out.request_id)
             if timing is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +83,12 @@ def available() -> bool:
 
 def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, parts: list[Rows],
                     write_slots: torch.Tensor, write_rows: torch.Tensor | None, keys: torch.Tensor,
-                    values: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor, list | None]:
+                    values: torch.Tensor, threads: int | None = None,
+                    launching: Callable[[], None] | None = None) -> tuple[torch.Tensor, list | None]:
     """parts: the step's rows, a part per attention kind, their tokens one part after the other (M in
     all); write_slots [w] where tokens write_rows [w] of those M (None: the first w) store their keys
-    and values; keys, values [layers, slots, kvH, D], dense; threads: the call's (None: torch's).
+    and values; keys, values [layers, slots, kvH, D], dense; threads: the call's (None: torch's);
+    launching: called once the inputs are built, just before the kernel (which holds no GIL) starts.
     Returns the last layer's output x [M, hidden] and each part's logits [B, n, vocab] at its
     logits_index (None where ends.head is None)."""
     D, f32, device = dims.head_dim, torch.float32, keys.device
@@ -107,6 +110,8 @@ def decoder_forward(layers: ctypes.Array[Layer], ends: Ends, dims: Dims, parts: 
                        dtype=f32, device=device)
     write_slots = write_slots.to(torch.int64).contiguous()
     rows = None if write_rows is None else write_rows.to(torch.int64).contiguous()
+    if launching is not None:
+        launching()
     _kernel()(layers, len(layers), ctypes.byref(ends), ids.data_ptr(), positions.data_ptr(), x.data_ptr(), M,
               dims.hidden, dims.heads, dims.kv_heads, D, dims.inner, dims.eps,
               None if rows is None else rows.data_ptr(), write_slots.data_ptr(), write_slots.numel(),

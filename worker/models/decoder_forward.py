@@ -3,6 +3,7 @@ steps it takes, and a step's call."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -46,6 +47,7 @@ class DecoderForward:
         self.ends = decoder_layers.Ends(ends[0].data_ptr(), ends[1].data_ptr(), model.rotary.scaling,
                                         ends[2].data_ptr(), head.data_ptr() if self.has_head else None,
                                         config.vocab_size)
+        self.on_launch: Callable[[], None] | None = None  # called as each call's kernel starts
 
     @staticmethod
     def fits(model) -> bool:
@@ -86,7 +88,7 @@ class DecoderForward:
                                     for b, first in zip(batches, firsts)])
             write_slots = torch.cat([b.write_slots for b in batches])
         return decoder_layers.decoder_forward(self.layers, self.ends, self.dims, parts, write_slots, write_rows,
-                                              kv_cache[0], kv_cache[1], self.threads(batches))
+                                              kv_cache[0], kv_cache[1], self.threads(batches), self.on_launch)
 
     def threads(self, batches: list[PagedBatch]) -> int:
         """One thread for a small step, else torch's: by the step's multiply-adds, each token over the
