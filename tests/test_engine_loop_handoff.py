@@ -3,11 +3,14 @@ or at once where no kernel follows; every token arrives, in order."""
 import asyncio
 import time
 
+import pytest
+
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.http.engine_loop import EngineFailed, EngineLoop
 from worker.kernels import decoder_layers
+from worker.models import decoder_forward
 from worker.models.decoder_forward import DecoderForward
 
 TOKENS = 6
@@ -61,7 +64,15 @@ def serve_one(model: str, events: list[str], monkeypatch) -> list:
         loop.stop()
 
 
-def test_a_steps_outputs_go_out_as_the_next_kernel_starts_and_the_last_at_once(checkpoints, monkeypatch):
+@pytest.fixture
+def spare_core(monkeypatch):
+    """Cores beside every step's kernel threads (the tests' steps run on one): on a machine of one
+    core no kernel leaves any, and none hands out outputs."""
+    monkeypatch.setattr(decoder_forward, "CORES", 2)
+
+
+def test_a_steps_outputs_go_out_as_the_next_kernel_starts_and_the_last_at_once(checkpoints, monkeypatch,
+                                                                               spare_core):
     events: list[str] = []
     outputs = serve_one(checkpoints["llama"], events, monkeypatch)
     assert sum(len(out.new_token_ids) for out in outputs) == TOKENS and outputs[-1].finished
@@ -78,7 +89,16 @@ def test_steps_without_the_kernel_hand_their_outputs_out_as_they_end(checkpoints
     assert events == ["step", "post 1"] * TOKENS
 
 
-def test_a_failing_step_hands_out_the_tokens_made_before_it_first(checkpoints, monkeypatch):
+def test_a_kernel_on_every_core_leaves_the_outputs_to_the_steps_end(checkpoints, monkeypatch):
+    """The event loop's work would wait for a core the kernel holds, and hold the kernel up."""
+    monkeypatch.setattr(decoder_forward, "CORES", 1)
+    events: list[str] = []
+    outputs = serve_one(checkpoints["llama"], events, monkeypatch)
+    assert sum(len(out.new_token_ids) for out in outputs) == TOKENS and outputs[-1].finished
+    assert events == ["step", "kernel", "post 1"] * TOKENS
+
+
+def test_a_failing_step_hands_out_the_tokens_made_before_it_first(checkpoints, monkeypatch, spare_core):
     """The third step raises: the second's tokens, held for its kernel, still reach the stream, then
     the failure."""
     steps = []

@@ -24,9 +24,10 @@ class ModelRunner:
         self.run = dict(self.models)  # what forward() calls per model: the model, or it compiled
 
     def on_compute(self, hook: Callable[[], None]) -> None:
-        """hook() is called as each forward's one-call kernel starts, its inputs built and the GIL about
-        to be released (the CPU's; other forwards never call it): a server hands the previous step's
-        outputs to its event loop there, whose work on them then overlaps the kernel (EngineLoop)."""
+        """hook() is called as a forward's one-call kernel starts, its inputs built and the GIL about to
+        be released, where the kernel leaves a core free (the CPU's; other forwards never call it): a
+        server hands the previous step's outputs to its event loop there, whose work on them then
+        overlaps the kernel (EngineLoop)."""
         for model in self.models.values():
             if model.fused_forward is not None:
                 model.fused_forward.on_launch = hook

@@ -4,12 +4,12 @@ The engine is not thread-safe. The asyncio side never touches it: it sends comma
 queue guarded by a condition (the thread sleeps on it when idle) and receives each step's outputs
 through `loop.call_soon_threadsafe`, one call per step, into one asyncio.Queue per request.
 
-On the CPU a step's outputs are posted as the next step's one-call kernel starts (ModelRunner.
-on_compute), not as the step ends: the event loop's work on them (a chunk for each stream) then runs
-while the kernel holds no GIL. Posted as the step ended, that work took the GIL at the next step's
-first torch call and held it against the step's own Python: a served decode step slept about 0.9 ms
-of its 4.3 outside the kernel. Outputs no kernel follows (the last step's, or a step that ran none,
-as every step off the CPU) are posted as their step ends.
+On the CPU a step's outputs are posted as the next step's one-call kernel starts, where it leaves a
+core free (ModelRunner.on_compute), not as the step ends: the event loop's work on them (a chunk for
+each stream) then runs while the kernel holds no GIL. Posted as the step ended, that work took the
+GIL at the next step's first torch call and held it against the step's own Python: a served decode
+step slept about 0.9 ms of its 4.3 outside the kernel. Outputs no such kernel follows (the last
+step's, or a step that ran none, as every step off the CPU) are posted as their step ends.
 """
 from __future__ import annotations
 
