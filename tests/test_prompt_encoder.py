@@ -1,5 +1,6 @@
 """The prompt encoder: off the event loop on two lanes, so a long prompt delays only itself; the text
-the ledger tokenizes costs the most; a long prompt's heap goes back once it is tokenized."""
+the ledger tokenizes costs the most; a long prompt's heap goes back once it is tokenized, and nothing
+grows with the prompts tokenized before."""
 from __future__ import annotations
 
 import asyncio
@@ -55,11 +56,14 @@ def texts_as_long_as_the_bound_lets_through(bound, max_model_len: int) -> dict[s
     def chars(first: int, last: int, count: int) -> str:
         return "".join(chr(rng.randrange(first, last + 1)) for _ in range(count))
 
+    def long_words(count: int) -> str:
+        return " ".join(chars(ord("a"), ord("z"), rng.randrange(120, 250)) for _ in range(count // 120))[:count]
+
     ledger = {f"ledger {i}": text for i, text in enumerate(ledger_texts(bound, max_model_len, 1 << 30))}
     return {**ledger, "spaces": " " * units, "code": ("def f(x):\n    return x + 1\n" * units)[:units],
             "letters": chars(ord("a"), ord("z"), units), "cjk": chars(0x4E00, 0x9FFF, units // 3),
             "cyrillic": chars(0x400, 0x4FF, units // 2), "latin-1 letters": chars(0xC0, 0xFF, units // 2),
-            "letter, symbol, letter": "\u0436\u00b7" * (units // 4)}
+            "letter, symbol, letter": "\u0436\u00b7" * (units // 4), "long words": long_words(units)}
 
 
 def cost_of_tokenizing(name: str) -> int:
@@ -93,6 +97,21 @@ def test_the_ledger_tokenizes_the_costliest_text_a_prompt_may_have(encoder):
     ledger = max(cost for name, cost in costs.items() if name.startswith("ledger"))
     for name, cost in costs.items():
         assert cost <= ledger + MiB, (name, costs)
+
+
+def test_prompts_of_distinct_long_words_leave_nothing_behind(encoder):
+    """A tokenizer's cache of split words would keep each prompt's words (tens of MiB of them here)."""
+    device, rng = CpuDevice(), random.Random(1)
+
+    def prompt() -> str:
+        return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(120, 250)))
+                        for _ in range(300))
+
+    encoder._encode(prompt(), False)
+    before = device.process_bytes()
+    for _ in range(30):
+        encoder._encode(prompt(), False)
+    assert device.process_bytes() - before < 2 * MiB
 
 
 def test_a_prompt_refused_after_tokenizing_leaves_its_heap_behind_no_longer(encoder):

@@ -27,6 +27,17 @@ IN_STAGE = 4
 RELEASE_AFTER_TOKENS = 1 << 12
 
 
+def without_word_cache(tokenizer) -> None:
+    """Turn off the cache of split words a fast BPE or Unigram tokenizer keeps for its lifetime (up to
+    10,000 words of at most 256 bytes each). Across prompts of distinct long words it grew by
+    55-70 MiB on the shipped tokenizer, all of it kept: memory that grows with the history of
+    prompts, which the ledger's measurement of one prompt's peak cannot bound. Without it the shipped
+    tokenizer takes about a fifth longer on code (1.06 ms against 0.87 for 1,110 tokens)."""
+    resize = getattr(getattr(getattr(tokenizer, "_tokenizer", None), "model", None), "_resize_cache", None)
+    if resize is not None:  # a slow (Python) tokenizer has none
+        resize(0)
+
+
 class PromptEncoder:
     """Encodes prompts on two lanes, one thread each: short prompts on one, long ones on the other, so
     a long prompt delays only the long ones behind it. Each text is first checked against the most the
@@ -51,6 +62,7 @@ class PromptEncoder:
 
         tokenizer = load_tokenizer(model)
         tokenizer.model_max_length = sys.maxsize  # lengths are checked here: no warning about long texts
+        without_word_cache(tokenizer)
         # Token-id prompts must index the embedding and decode: both limits hold.
         vocab_size = min(len(tokenizer), load_config(model).vocab_size)
         # What the first requests would start once (each thread, its malloc arena, the tokenizer's
