@@ -8,7 +8,7 @@ On the CPU a step's outputs are posted as the next step's one-call kernel starts
 core free (ModelRunner.on_compute), not as the step ends: the event loop's work on them (a chunk for
 each stream) then runs while the kernel holds no GIL. Posted as the step ended, that work took the
 GIL at the next step's first torch call and held it against the step's own Python: a served decode
-step slept about 0.9 ms of its 4.3 outside the kernel. Outputs no such kernel follows (the last
+step's forward slept about 1 ms outside the kernel. Outputs no such kernel follows (the last
 step's, or a step that ran none, as every step off the CPU) are posted as their step ends.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
         self._output_tokens: dict[str, int] = {}  # asyncio thread only: tokens delivered so far
         self._held: list[tuple[list[RequestOutput], float]] = []  # engine thread: outputs, step start
-        self._computed = False  # engine thread: whether the current step's forward has started
+        self._computed = False  # engine thread: whether a kernel of the current step took the held outputs
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, aloop: asyncio.AbstractEventLoop) -> None:
