@@ -48,6 +48,12 @@ def test_a_long_prompt_delays_only_itself(encoder):
     assert asyncio.run(race()) == ["short", "short", "long"]
 
 
+def long_words(rng: random.Random, count: int) -> str:
+    """`count` words of 120-250 random letters: nearly every word a prompt has is new."""
+    return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(120, 250)))
+                    for _ in range(count))
+
+
 def texts_as_long_as_the_bound_lets_through(bound, max_model_len: int) -> dict[str, str]:
     """The ledger's text ("ledger") and others a prompt may be, each as long as the bound lets through."""
     units = bound.max_units(max_model_len)
@@ -56,14 +62,11 @@ def texts_as_long_as_the_bound_lets_through(bound, max_model_len: int) -> dict[s
     def chars(first: int, last: int, count: int) -> str:
         return "".join(chr(rng.randrange(first, last + 1)) for _ in range(count))
 
-    def long_words(count: int) -> str:
-        return " ".join(chars(ord("a"), ord("z"), rng.randrange(120, 250)) for _ in range(count // 120))[:count]
-
     ledger = {f"ledger {i}": text for i, text in enumerate(ledger_texts(bound, max_model_len, 1 << 30))}
     return {**ledger, "spaces": " " * units, "code": ("def f(x):\n    return x + 1\n" * units)[:units],
             "letters": chars(ord("a"), ord("z"), units), "cjk": chars(0x4E00, 0x9FFF, units // 3),
             "cyrillic": chars(0x400, 0x4FF, units // 2), "latin-1 letters": chars(0xC0, 0xFF, units // 2),
-            "letter, symbol, letter": "\u0436\u00b7" * (units // 4), "long words": long_words(units)}
+            "letter, symbol, letter": "\u0436\u00b7" * (units // 4), "long words": long_words(rng, units // 120)[:units]}
 
 
 def cost_of_tokenizing(name: str) -> int:
@@ -102,15 +105,10 @@ def test_the_ledger_tokenizes_the_costliest_text_a_prompt_may_have(encoder):
 def test_prompts_of_distinct_long_words_leave_nothing_behind(encoder):
     """A tokenizer's cache of split words would keep each prompt's words (tens of MiB of them here)."""
     device, rng = CpuDevice(), random.Random(1)
-
-    def prompt() -> str:
-        return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(120, 250)))
-                        for _ in range(300))
-
-    encoder._encode(prompt(), False)
+    encoder._encode(long_words(rng, 300), False)
     before = device.process_bytes()
     for _ in range(30):
-        encoder._encode(prompt(), False)
+        encoder._encode(long_words(rng, 300), False)
     assert device.process_bytes() - before < 2 * MiB
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 from vramledger.units import parse_size  # its SizeError is an ArgumentTypeError too
-from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig, usable_cores
 from worker.http.settings import SHUTDOWN_MARGIN
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
@@ -72,7 +72,7 @@ def default_cpu_threads(cores: int | None = None) -> int | None:
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
     return max(1, cores - 1)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,11 @@ DEFAULT_DRAFT_MODEL = str(ASSETS / "tiny-coder-draft")
 # inductor generates kernels; dynamo's "eager" keeps the same graphs and guards and runs them with
 # torch's ops: it checks in seconds that the models compile, without minutes of C++ builds.
 COMPILE_BACKENDS = ("inductor", "eager")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass

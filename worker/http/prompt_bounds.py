@@ -101,12 +101,18 @@ def body_limit(bound: PromptBound | None, max_model_len: int, cap: int) -> int:
                + SHORT_FIELDS_BYTES)
 
 
+def chars_that_pass(bound: PromptBound | None, max_model_len: int, max_body_bytes: int, utf8_bytes: int) -> int:
+    """How many characters of `utf8_bytes` bytes each a prompt may have: those that fit the body and
+    pass the bound."""
+    chars = max_body_bytes // utf8_bytes
+    if bound is not None:
+        chars = min(chars, bound.max_units(max_model_len) // (utf8_bytes if bound.in_bytes else 1))
+    return chars
+
+
 def longest_text(bound: PromptBound | None, max_model_len: int, max_body_bytes: int) -> str:
     """The prompt text that passes the bound (or fits the body) and makes the most tokens."""
-    chars = max_body_bytes // 4
-    if bound is not None:
-        chars = min(chars, bound.max_units(max_model_len) // (4 if bound.in_bytes else 1))
-    return costliest_text(chars)
+    return costliest_text(chars_that_pass(bound, max_model_len, max_body_bytes, 4))
 
 
 def ledger_texts(bound: PromptBound | None, max_model_len: int, max_body_bytes: int) -> list[str]:
@@ -120,10 +126,8 @@ def mixed_two_byte_text(bound: PromptBound | None, max_model_len: int, max_body_
     """Random characters of U+0080-U+07FF (2 bytes each in UTF-8: letters, marks and symbols of many
     scripts mixed), as many as pass the bound (or fit the body). On the shipped tokenizer it takes
     about half as much memory again to tokenize as longest_text's, with as many tokens."""
-    chars = max_body_bytes // 2
-    if bound is not None:
-        chars = min(chars, bound.max_units(max_model_len) // (2 if bound.in_bytes else 1))
     rng = random.Random(0)
+    chars = chars_that_pass(bound, max_model_len, max_body_bytes, 2)
     text = "".join(chr(rng.randrange(0x80, 0x800)) for _ in range(chars))
     while bound is not None and (excess := bound.length(text) - bound.max_units(max_model_len)) > 0:
         text = text[:-1 - excess // 3]  # the tokenizer's normalization lengthened it

@@ -3,11 +3,11 @@ steps it takes, and a step's call."""
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
 
 import torch
 
+from worker.config import usable_cores
 from worker.kernels import blocked_linear, decoder_layers, paged_attention, prefill_attention
 from worker.models.attention import PagedBatch
 
@@ -16,7 +16,7 @@ from worker.models.attention import PagedBatch
 # small step: in a server at one stream, 1 row decoded on 2 threads took ~1.7x as long as on 1, while
 # 8 rows at 1072 positions (~77 M) and prompt chunks gain from 2 (docs/engine.md).
 ONE_THREAD_WORK = 48e6
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+CORES = usable_cores()
 
 
 class DecoderForward:
