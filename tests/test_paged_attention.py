@@ -87,3 +87,34 @@ def test_a_token_verified_among_a_drafts_gives_the_bits_it_gives_decoded_alone(w
     alone = build_paged_batch([[1]], [42], [[5, 9, 2, 7]], BLOCK, 1, CPU)
     together = run_kernel(q[:1], cache, verify, window)
     assert torch.equal(run_kernel(q[:1, 2:3].contiguous(), cache, alone, window), together[:, 2:3])
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 32), (2, 2, 16), (16, 1, 16), (4, 2, 48), (16, 4, 128)])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_reading_one_prefix_give_the_bits_each_gives_alone(heads, kv_heads, dim, tokens, window, threads):
+    """Rows whose tables share a prefix's blocks score them together, queries in vector lanes
+    (query_lanes.h); each row's bits are still those it gets alone, where its queries go through the
+    sum trees. 11 rows: 32 shared positions, then rows of their own lengths over blocks of their own,
+    two of them sharing those too."""
+    torch.manual_seed(1)
+    cache = torch.randn(2, 64 * BLOCK, kv_heads, dim)
+    tables = [[5, 9, 20 + 3 * r, 21 + 3 * r, 22 + 3 * r] for r in range(11)]
+    tables[4] = tables[3]
+    starts = [32 + 3 * r for r in range(11)]
+    starts[4] = starts[3]
+    q = torch.randn(11, tokens, heads + 2 * kv_heads, dim)[:, :, :heads]
+    batch = build_paged_batch([[1] * tokens] * 11, starts, tables, BLOCK, 1, CPU)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = run_kernel(q, cache, batch, window)
+        torch.testing.assert_close(together, torch_path(q, cache, batch, window), rtol=1e-5, atol=1e-5)
+        for r in range(11):
+            alone = build_paged_batch([[1]], [starts[r] + tokens - 1], [tables[r]], BLOCK, 1, CPU)
+            last = q[r:r + 1, tokens - 1:].contiguous()
+            assert torch.equal(run_kernel(last, cache, alone, window), together[r:r + 1, tokens - 1:]), r
+    finally:
+        torch.set_num_threads(before)

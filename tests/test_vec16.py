@@ -70,6 +70,12 @@ def every_kernel(model) -> dict[str, torch.Tensor]:
         for window in (None, 7):
             out[f"paged_attention {dim} {window}"] = paged_attention.attend(
                 q, kv[0], kv[1], batch.gather_slots, batch.positions, batch.context_lens, window)
+    # nine rows decoding after one prefix: its blocks' scores with the queries in vector lanes
+    shared = build_paged_batch([[1]] * 9, [33 + r for r in range(9)], [[5, 9, 20 + r] for r in range(9)], BLOCK, 1,
+                               CPU)
+    kv, q = torch.randn(2, 64 * BLOCK, 4, 32, generator=g), torch.randn(9, 1, 8, 32, generator=g)
+    out["paged_attention shared"] = paged_attention.attend(q, kv[0], kv[1], shared.gather_slots, shared.positions,
+                                                           shared.context_lens, None)
     chunks = build_paged_batch([[1] * 37, [1] * 9], [0, 21], tables[::2], BLOCK, 1, CPU, prefill=True)
     for heads, kv_heads, dim in [(8, 4, 32), (4, 2, 48), (16, 1, 16)]:
         kv = torch.randn(2, 64 * BLOCK, kv_heads, dim, generator=g)

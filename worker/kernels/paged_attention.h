@@ -30,6 +30,11 @@
 #define CHUNK 16
 #define AHEAD 2       /* chunks prefetched before they are read */
 #define MAX_VECTORS 8 /* head_dim up to 128 (paged_attention.py checks) */
+#define LANES_FROM 12 /* query heads reading one chunk from which they share lanes: fewer, trees cost less */
+#define TASK_LANES 64  /* query heads of one key/value head a task takes (at most 32 rows) */
+#define MAX_ROWS_SCRATCH (16 << 20) /* bytes of scores a thread holds for a task's rows, past one row's */
+
+#include "query_lanes.h" /* after CHUNK */
 
 /* The 16 sums of 16 lanes each, as one vector: lane c holds the sum of v[c]'s lanes. A tree of
  * in-lane then cross-lane adds, where one reduction per vector costs about three times as much. */
@@ -113,6 +118,73 @@ static inline void prefetch(const float *const *at, int64_t lines) {
     for (int64_t x = 0; x < lines; x++) __builtin_prefetch(at[c] + 16 * x, 0, 2);  /* to read, into L2 */
 }
 
+/* Where a row's chunks are: its tokens' visible ranges, the chunk-aligned span [lo, hi) they cover, and
+ * where each position's keys and values of key/value head g0 sit (k[c - lo], v[c - lo]). */
+struct row_reads {
+  int64_t lo, hi, *start, *end;
+  const float **k, **v;
+  float *scores;  /* [(g * Q + i) * shared + r][span] of the task's heads g */
+};
+
+static void find_reads(struct row_reads *w, int64_t b, int64_t g0, const float *keys, const float *values,
+                       const int64_t *slots, const int64_t *positions, const int64_t *lengths, int64_t Q, int64_t C,
+                       int64_t kv_heads, int64_t D, int64_t window) {
+  int64_t first = C, last = 0;
+  for (int64_t i = 0; i < Q; i++) {
+    visible(positions[b * Q + i], lengths[b], window, &w->start[i], &w->end[i]);
+    first = w->start[i] < first ? w->start[i] : first;
+    last = w->end[i] > last ? w->end[i] : last;
+  }
+  w->lo = first - first % CHUNK;
+  w->hi = last < w->lo ? w->lo : round_up(last);
+  for (int64_t c = w->lo; c < w->hi; c++) {  /* past the context: any slot, those lanes are masked */
+    const int64_t at = (slots[b * C + (c < C ? c : C - 1)] * kv_heads + g0) * D;
+    w->k[c - w->lo] = keys + at;
+    w->v[c - w->lo] = values + at;
+  }
+}
+
+/* The positions of chunk c0 token i sees. */
+ALWAYS_INLINE mask16 seen_at(const struct row_reads *w, int64_t i, int64_t c0) {
+  const i32x16 offset = i32x16_add(i32x16_lane_index(), i32x16_broadcast((int)(c0 - w->start[i])));
+  return i32x16_at_least(offset, i32x16_zero()) & i32x16_less(offset, i32x16_broadcast((int)(w->end[i] - w->start[i])));
+}
+
+/* Query head j's 16 scores at chunk c0, -infinity where unseen. */
+ALWAYS_INLINE void store_scores(const struct row_reads *w, int64_t j, int64_t c0, int64_t span, mask16 seen, f32x16 s) {
+  f32x16_store(w->scores + j * span + c0 - w->lo, f32x16_select(seen, s, f32x16_broadcast(-INFINITY)));
+}
+
+/* Whether two rows read the same 16 positions at chunk c0 (a block both tables hold). */
+static inline int same_chunk(const struct row_reads *a, const struct row_reads *b, int64_t c0) {
+  for (int c = 0; c < CHUNK; c++)
+    if (a->k[c0 - a->lo + c] != b->k[c0 - b->lo + c]) return 0;
+  return 1;
+}
+
+/* The index of the nth row (from 0) in a set of rows. */
+static inline int64_t nth_row(uint32_t rows, int64_t nth) {
+  for (; nth > 0; nth--) rows &= rows - 1;
+  return __builtin_ctz(rows);
+}
+
+/* qt [group][lane_sets][D][LANES]: lane l of set s holds query head l + 16 s of the rows in `sharing`
+ * (rows b0 + n, in order; per row token i's heads of key/value head g0 + g, i major); unused lanes 0. */
+static void transpose_queries(float *qt, const float *q, int64_t q_stride, int64_t b0, uint32_t sharing, int64_t Q,
+                              int64_t shared, int64_t D, int64_t group, int64_t g0, int64_t lane_sets) {
+  const int64_t per_head = Q * shared, lanes = __builtin_popcount(sharing) * per_head;
+  for (int64_t g = 0; g < group; g++) {
+    float *at = qt + g * lane_sets * D * LANES;
+    for (int64_t x = 0; x < lane_sets * D * LANES; x++) at[x] = 0.0f;
+    for (int64_t l = 0; l < lanes; l++) {
+      const int64_t n = nth_row(sharing, l / per_head), i = l % per_head / shared, r = l % shared;
+      const float *query = q + ((b0 + n) * Q + i) * q_stride + ((g0 + g) * shared + r) * D;
+      float *set = at + l / LANES * D * LANES;
+      for (int64_t d = 0; d < D; d++) set[d * LANES + l % LANES] = query[d];
+    }
+  }
+}
+
 /* q: token t = b * Q + i at q + t * q_stride, head h at + h * D. keys, values: [slots, kv_heads, D].
  * slots: [B, C]; positions: [B, Q]; lengths: [B]; out: [B, Q, heads, D]. D % 16 == 0, D <= 128.
  * Run by every thread of the parallel region it is called in (an `omp for`, ending in a barrier). */
@@ -122,75 +194,125 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
                                     int64_t window, float scale, float *out) {
   const int threads = omp_get_num_threads();
   const int64_t shared = heads / kv_heads, vectors = D / 16, per_head = Q * shared;
-  const int64_t span = C + 2 * CHUNK;  /* the most positions a task's chunks cover */
-  /* A task is a row's key/value heads, so that it reads each position's keys (and values) as one
-   * contiguous run; with fewer rows than threads, one head each keeps every thread busy. */
-  const int64_t group = B >= threads ? kv_heads : 1, per_task = group * per_head;
-  /* Per thread, reused by its tasks: where each position's keys and values sit, and the scores
-   * (then weights) of each (key/value head, query token, head) at each position. */
-  const float **k = malloc(2 * span * sizeof(float *)), **v = k + span;
-  float *scores = aligned_floats(per_task * span);
-  int64_t *start = malloc(2 * Q * sizeof(int64_t)), *end = start + Q;
+  const int64_t span = C + 2 * CHUNK;  /* the most positions a row's chunks cover */
+  /* A task is a run of rows that start on one block (a shared prefix), up to TASK_LANES query heads of one
+   * key/value head and within MAX_ROWS_SCRATCH, so that they score the blocks they share in vector
+   * lanes (query_lanes.h); any other row is a task of its own. With fewer tasks than threads, one
+   * key/value head each keeps every thread busy. */
+  const int64_t row_scores = heads * Q * span * (int64_t)sizeof(float);
+  int64_t rows = per_head >= TASK_LANES ? 1 : TASK_LANES / per_head;
+  if (rows * row_scores > MAX_ROWS_SCRATCH) rows = row_scores >= MAX_ROWS_SCRATCH ? 1 : MAX_ROWS_SCRATCH / row_scores;
+  int64_t *runs = malloc((B + 1) * sizeof(int64_t)), row_runs = 0;  /* run k: rows runs[k] .. runs[k + 1] */
+  for (int64_t b = 0; b < B; b++)
+    if (b == 0 || b - runs[row_runs - 1] == rows || slots[b * C] != slots[runs[row_runs - 1] * C]) runs[row_runs++] = b;
+  runs[row_runs] = B;
+  const int64_t group = row_runs >= threads ? kv_heads : 1, tasks = row_runs * (kv_heads / group);
+  const int64_t per_task = group * per_head, lane_sets = (rows * per_head + LANES - 1) / LANES;
+  /* Per thread, reused by its tasks: each row's reads and scores (then weights), and the transposed
+   * queries (query_lanes.h) of the rows that read the chunk at hand, for each head and set of 16. */
+  struct row_reads *reads = malloc(rows * sizeof *reads);
+  const float **pointers = malloc(2 * rows * span * sizeof(float *));
+  float *scores = aligned_floats(rows * per_task * span), *qt = aligned_floats(group * lane_sets * D * LANES);
+  int64_t *bounds = malloc(2 * rows * Q * sizeof(int64_t));
+  for (int64_t n = 0; n < rows; n++)
+    reads[n] = (struct row_reads){.k = pointers + 2 * n * span, .v = pointers + (2 * n + 1) * span,
+                                  .scores = scores + n * per_task * span, .start = bounds + 2 * n * Q,
+                                  .end = bounds + (2 * n + 1) * Q};
 #pragma omp for schedule(static)
-  for (int64_t task = 0; task < B * kv_heads / group; task++) {
-    const int64_t b = task * group / kv_heads, g0 = task * group % kv_heads;
-    int64_t first = C, last = 0;
-    for (int64_t i = 0; i < Q; i++) {
-      visible(positions[b * Q + i], lengths[b], window, &start[i], &end[i]);
-      first = start[i] < first ? start[i] : first;
-      last = end[i] > last ? end[i] : last;
+  for (int64_t task = 0; task < tasks; task++) {
+    const int64_t run = task / (kv_heads / group), b0 = runs[run], g0 = task % (kv_heads / group) * group;
+    const int64_t count = runs[run + 1] - b0, lines = group * vectors;  /* lines: of a position's keys */
+    int64_t from = INT64_MAX, to = 0;
+    for (int64_t n = 0; n < count; n++) {
+      struct row_reads *w = reads + n;
+      find_reads(w, b0 + n, g0, keys, values, slots, positions, lengths, Q, C, kv_heads, D, window);
+      for (int64_t c0 = w->lo; c0 < w->lo + AHEAD * CHUNK && c0 < w->hi; c0 += CHUNK) prefetch(w->k + c0 - w->lo, lines);
+      from = w->lo < from ? w->lo : from;
+      to = w->hi > to ? w->hi : to;
     }
-    const int64_t lo = first - first % CHUNK, hi = last < lo ? lo : round_up(last);
-    for (int64_t c = lo; c < hi; c++) {  /* past the context: any slot, those lanes are masked */
-      const int64_t at = (slots[b * C + (c < C ? c : C - 1)] * kv_heads + g0) * D;
-      k[c - lo] = keys + at;
-      v[c - lo] = values + at;
-    }
-    const int64_t lines = group * vectors;  /* cache lines of one position's keys in this task */
-    for (int64_t c0 = lo; c0 < lo + AHEAD * CHUNK && c0 < hi; c0 += CHUNK) prefetch(k + c0 - lo, lines);
-    const i32x16 lane = i32x16_lane_index();
-    for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
-      const int64_t t = c0 - lo;
-      if (c0 + AHEAD * CHUNK < hi) prefetch(k + t + AHEAD * CHUNK, lines);
-      prefetch(v + t, lines);  /* read after every score: by then they are in the caches */
-      for (int64_t i = 0; i < Q; i++) {
-        if (end[i] <= c0 || start[i] >= c0 + CHUNK) continue;  /* nothing of this chunk is visible */
-        const i32x16 offset = i32x16_add(lane, i32x16_broadcast((int)(c0 - start[i])));
-        const mask16 seen = i32x16_at_least(offset, i32x16_zero()) &
-                            i32x16_less(offset, i32x16_broadcast((int)(end[i] - start[i])));
-        for (int64_t g = 0; g < group; g++) {
-          const float *query = q + (b * Q + i) * q_stride + (g0 + g) * shared * D;
-          for (int64_t r = 0; r < shared; r++) {
-            const f32x16 s = f32x16_mul(chunk_scores_any(query + r * D, k + t, g * D, vectors),
-                                        f32x16_broadcast(scale));
-            f32x16_store(scores + ((g * Q + i) * shared + r) * span + t,
-                         f32x16_select(seen, s, f32x16_broadcast(-INFINITY)));
+    uint32_t transposed = 0;  /* the rows whose queries qt holds */
+    for (int64_t c0 = from; c0 < to; c0 += CHUNK) {
+      uint32_t done = 0;
+      for (int64_t n = 0; n < count; n++) {
+        const struct row_reads *w = reads + n;
+        if (done >> n & 1 || c0 < w->lo || c0 >= w->hi) continue;
+        uint32_t sharing = 1u << n;  /* the rows that read this chunk's positions where row n does */
+        for (int64_t m = n + 1; m < count; m++)
+          if (!(done >> m & 1) && c0 >= reads[m].lo && c0 < reads[m].hi && same_chunk(w, reads + m, c0))
+            sharing |= 1u << m;
+        done |= sharing;
+        const int64_t t = c0 - w->lo;
+        if (c0 + AHEAD * CHUNK < w->hi) prefetch(w->k + t + AHEAD * CHUNK, lines);
+        prefetch(w->v + t, lines);  /* read after every score: by then they are in the caches */
+        const int64_t lanes = __builtin_popcount(sharing) * per_head;
+        if (lanes >= LANES_FROM && sharing != transposed) {
+          transpose_queries(qt, q, q_stride, b0, sharing, Q, shared, D, group, g0, lane_sets);
+          transposed = sharing;
+        }
+        if (lanes >= LANES_FROM) {
+          for (int64_t g = 0; g < group; g++) {
+            /* Lane l of set s: the (16 s + l)th query head of the rows sharing the chunk, in row order,
+             * then token i, then head r. */
+            uint32_t left = sharing;
+            for (int64_t s = 0, i = 0, r = 0; left; s++) {
+              f32x16 by_query[CHUNK];
+              chunk_lane_scores(qt + (g * lane_sets + s) * D * LANES, w->k + t, g * D, vectors, scale, by_query);
+              for (int l = 0; l < LANES && left; l++) {
+                const struct row_reads *x = reads + __builtin_ctz(left);
+                store_scores(x, (g * Q + i) * shared + r, c0, span, seen_at(x, i, c0), by_query[l]);
+                if (++r == shared && (r = 0, ++i == Q)) i = 0, left &= left - 1;
+              }
+            }
+          }
+          continue;
+        }
+        for (uint32_t left = sharing; left; left &= left - 1) {  /* each row's query heads, in sum trees */
+          const int64_t n2 = __builtin_ctz(left);
+          const struct row_reads *x = reads + n2;
+          for (int64_t i = 0; i < Q; i++) {
+            if (x->end[i] <= c0 || x->start[i] >= c0 + CHUNK) continue;  /* nothing of this chunk is visible */
+            const mask16 seen = seen_at(x, i, c0);
+            for (int64_t g = 0; g < group; g++) {
+              const float *query = q + ((b0 + n2) * Q + i) * q_stride + (g0 + g) * shared * D;
+              for (int64_t r = 0; r < shared; r++) {
+                const f32x16 score = chunk_scores_any(query + r * D, w->k + t, g * D, vectors);
+                store_scores(x, (g * Q + i) * shared + r, c0, span, seen, f32x16_mul(score, f32x16_broadcast(scale)));
+              }
+            }
           }
         }
       }
     }
-    for (int64_t j = 0; j < per_task; j++) {  /* j = (g * Q + i) * shared + r */
-      const int64_t g = j / per_head, i = j % per_head / shared, r = j % shared;
-      float *o = out + ((b * Q + i) * heads + (g0 + g) * shared + r) * D;
-      const int64_t from = start[i] - start[i] % CHUNK - lo, to = end[i] <= start[i] ? from : round_up(end[i]) - lo;
-      float *w = scores + j * span;
-      f32x16 top = f32x16_broadcast(-INFINITY), sum = f32x16_zero();
-      for (int64_t t = from; t < to; t += CHUNK) top = f32x16_max(top, f32x16_load(w + t));
-      const f32x16 best = f32x16_broadcast(f32x16_reduce_max(top));
-      for (int64_t t = from; t < to; t += CHUNK) {
-        const f32x16 s = f32x16_load(w + t);
-        const mask16 seen = f32x16_ordered_not_equal(s, f32x16_broadcast(-INFINITY));
-        const f32x16 e = f32x16_keep(seen, exp_nonpositive(f32x16_sub(s, best)));
-        f32x16_store(w + t, e);
-        sum = f32x16_add(sum, e);
+    for (int64_t n = 0; n < count; n++) {
+      const struct row_reads *x = reads + n;
+      const int64_t b = b0 + n;
+      for (int64_t j = 0; j < per_task; j++) {  /* j = (g * Q + i) * shared + r */
+        const int64_t g = j / per_head, i = j % per_head / shared, r = j % shared;
+        float *o = out + ((b * Q + i) * heads + (g0 + g) * shared + r) * D;
+        const int64_t first = x->start[i] - x->start[i] % CHUNK - x->lo;
+        const int64_t last = x->end[i] <= x->start[i] ? first : round_up(x->end[i]) - x->lo;
+        float *w = x->scores + j * span;
+        f32x16 top = f32x16_broadcast(-INFINITY), sum = f32x16_zero();
+        for (int64_t t = first; t < last; t += CHUNK) top = f32x16_max(top, f32x16_load(w + t));
+        const f32x16 best = f32x16_broadcast(f32x16_reduce_max(top));
+        for (int64_t t = first; t < last; t += CHUNK) {
+          const f32x16 s = f32x16_load(w + t);
+          const mask16 seen = f32x16_ordered_not_equal(s, f32x16_broadcast(-INFINITY));
+          const f32x16 e = f32x16_keep(seen, exp_nonpositive(f32x16_sub(s, best)));
+          f32x16_store(w + t, e);
+          sum = f32x16_add(sum, e);
+        }
+        const float total = f32x16_reduce_add(sum);
+        weighted_values_any(w + first, x->v + first, g * D, last - first, vectors, total > 0.0f ? 1.0f / total : 0.0f, o);
       }
-      const float total = f32x16_reduce_add(sum);
-      weighted_values_any(w + from, v + from, g * D, to - from, vectors, total > 0.0f ? 1.0f / total : 0.0f, o);
     }
   }
-  free(k);
+  free(runs);
+  free(reads);
+  free(pointers);
   free(scores);
-  free(start);
+  free(qt);
+  free(bounds);
 }
 
 #endif

@@ -43,6 +43,10 @@ LANEWISE(max, _mm256_max_ps)
 LANEWISE(interleave_lo, _mm256_unpacklo_ps) /* within each 128-bit quarter, as AVX-512's */
 LANEWISE(interleave_hi, _mm256_unpackhi_ps)
 #undef LANEWISE
+ALWAYS_INLINE f32x16 f32x16_unfused(f32x16 a) { /* as vec16_avx512.h's */
+  __asm__("" : "+x"(a.lo), "+x"(a.hi));
+  return a;
+}
 ALWAYS_INLINE f32x16 f32x16_fmadd(f32x16 a, f32x16 b, f32x16 c) {
   return pair_of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
 }

@@ -23,6 +23,12 @@ ALWAYS_INLINE f32x16 f32x16_sub(f32x16 a, f32x16 b) { return _mm512_sub_ps(a, b)
 ALWAYS_INLINE f32x16 f32x16_mul(f32x16 a, f32x16 b) { return _mm512_mul_ps(a, b); }
 ALWAYS_INLINE f32x16 f32x16_div(f32x16 a, f32x16 b) { return _mm512_div_ps(a, b); }
 ALWAYS_INLINE f32x16 f32x16_max(f32x16 a, f32x16 b) { return _mm512_max_ps(a, b); }
+/* a as it stands: the compiler fuses no multiply that made it into an add that takes it (GCC's
+ * default -ffp-contract=fast would, and the bits would depend on what the compiler saw). */
+ALWAYS_INLINE f32x16 f32x16_unfused(f32x16 a) {
+  __asm__("" : "+v"(a));
+  return a;
+}
 ALWAYS_INLINE f32x16 f32x16_fmadd(f32x16 a, f32x16 b, f32x16 c) { return _mm512_fmadd_ps(a, b, c); }
 ALWAYS_INLINE f32x16 f32x16_fnmadd(f32x16 a, f32x16 b, f32x16 c) { return _mm512_fnmadd_ps(a, b, c); }
 ALWAYS_INLINE f32x16 f32x16_abs(f32x16 a) { return _mm512_abs_ps(a); }
