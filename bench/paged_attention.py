@@ -1,12 +1,14 @@
 """Paged attention: this project's kernel against the torch path (gather + mask + SDPA), in one run.
 
-    python bench/paged_attention.py [--rounds 15] [--context 150] [--threads 2]
+    python bench/paged_attention.py [--rounds 15] [--context 150] [--threads 2] [--shared-prefix]
 
 Shapes of the shipped target (8 heads, 4 key/value heads, head_dim 32), 8 layers' caches over
 scattered blocks (a decode step reads every layer's, so the caches do not all fit in L3), decode
 (1 token a row) and verify (5: k=4) steps at 1-32 rows. The two paths alternate round by round;
 prints min/median us per layer and the ratio of medians. The torch path gathers into buffers kept
-between calls, as the model's workspace does.
+between calls, as the model's workspace does. With --shared-prefix every row's table starts with the
+same blocks, the cached positions' full blocks (rows decoding after one cached prefix), and the
+blocks of the rest are each row's own.
 """
 from __future__ import annotations
 
@@ -44,18 +46,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--context", type=int, default=150, help="cached positions before the new tokens")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shared-prefix", action="store_true", help="rows share the cached positions' full blocks")
     args = ap.parse_args()
     if not paged_attention.available():
         raise SystemExit("the kernel cannot run here (neither AVX-512 nor AVX2, or no C compiler)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"{HEADS} heads, {KV_HEADS} kv heads, head_dim {DIM}, {args.context} cached positions, {LAYERS} layers, "
-          f"{args.threads} threads, {args.rounds} rounds; us per layer, min/median")
+          f"{args.threads} threads, {args.rounds} rounds{', one shared prefix' if args.shared_prefix else ''}; "
+          "us per layer, min/median")
     print("| rows x tokens | kernel | gather + SDPA | SDPA / kernel |\n|---|---|---|---|")
     for rows, tokens in SHAPES:
-        per_row = (args.context + tokens) // BLOCK + 1
-        caches = torch.randn(LAYERS, 2, rows * per_row * BLOCK, KV_HEADS, DIM)
-        tables = torch.randperm(rows * per_row).view(rows, per_row).tolist()
+        shared = args.context // BLOCK if args.shared_prefix else 0  # blocks every row's table starts with
+        own = (args.context + tokens) // BLOCK + 1 - shared
+        blocks = torch.randperm(shared + rows * own).tolist()
+        caches = torch.randn(LAYERS, 2, len(blocks) * BLOCK, KV_HEADS, DIM)
+        tables = [blocks[:shared] + blocks[shared + r * own:shared + (r + 1) * own] for r in range(rows)]
         batch = build_paged_batch([[1] * tokens] * rows, [args.context] * rows, tables, BLOCK, 1, torch.device("cpu"))
         q = torch.randn(rows, tokens, HEADS + 2 * KV_HEADS, DIM)[:, :, :HEADS]  # a view, as the model's
         workspace = GatherWorkspace()

@@ -4,19 +4,24 @@
  * c (c <= p, c < the row's length, c > p - window when there is one) of scale * (q . K[slot]),
  * weighting V[slot], where slot = slots[b, c]. Nothing is gathered or masked first.
  *
- * The time goes in reading the cache, not in arithmetic: at 32 rows the shipped target's keys and
- * values are ~26 MB a step, more than the L3 cache holds once the weights are in it. So a task
- * (one row's key/value heads, so that a position's keys are one contiguous run) first lists where
- * every key and value it reads sits, then prefetches them into L2 AHEAD chunks before it reads
- * them: a block table scatters blocks, which the hardware prefetchers cannot follow. Scores go to
- * a scratch row, in chunks of 16 positions aligned to absolute positions (16 dot products summed
- * in one tree, sum16); each query head then takes its maximum, its weights and their sum in one
- * pass, and sums the weighted values with its accumulators in registers (two banks, even and odd
- * positions, so that the adds do not wait on each other). The heads that share a key/value head
- * and all of a row's query tokens share the reads. A token's chunks and their order depend only on
- * its own visible range: a row alone and in a batch, or a token decoded alone and verified among a
- * draft's, give the same bits. Included by paged_attention.c (the call of its own) and decoder_layers.c
- * (a stage of the forward).
+ * Unshared rows' time goes in reading the cache: at 32 rows the shipped target's keys and values are
+ * ~26 MB a step, more than the L3 cache holds once the weights are in it. So a task first lists
+ * where every key and value it reads sits, then prefetches them into L2 AHEAD chunks before it reads
+ * them: a block table scatters blocks, which the hardware prefetchers cannot follow. Scores go to a
+ * scratch row, in chunks of 16 positions aligned to absolute positions (16 dot products summed in
+ * one tree, sum16); each query head then takes its maximum, its weights and their sum in one pass,
+ * and sums the weighted values with its accumulators in registers (two banks, even and odd
+ * positions, so that the adds do not wait on each other). The heads that share a key/value head and
+ * all of a row's query tokens share the reads.
+ *
+ * Rows decoding after one cached prefix read the same blocks, from the caches, and their time goes in
+ * arithmetic: such rows form a run, and a chunk that several rows' tables share is scored for all of
+ * their query heads at once, one query in each vector lane (query_lanes.h); over the leading chunks
+ * every row shares, the weighted values are summed in lanes too. Lanes and trees take the same sums
+ * in the same order: a token's chunks and their order depend only on its own visible range, so a row
+ * alone and in a batch, beside rows of its prefix or not, or a token decoded alone and verified among
+ * a draft's, give the same bits. Included by paged_attention.c (the call of its own) and
+ * decoder_layers.c (a stage of the forward).
  */
 #ifndef PAGED_ATTENTION_H
 #define PAGED_ATTENTION_H
@@ -31,8 +36,8 @@
 #define AHEAD 2       /* chunks prefetched before they are read */
 #define MAX_VECTORS 8 /* head_dim up to 128 (paged_attention.py checks) */
 #define LANES_FROM 12 /* query heads reading one chunk from which they share lanes: fewer, trees cost less */
-#define TASK_LANES 64  /* query heads of one key/value head a task takes (at most 32 rows) */
-#define MAX_ROWS_SCRATCH (16 << 20) /* bytes of scores a thread holds for a task's rows, past one row's */
+#define TASK_LANES 32  /* query heads of one key/value head a run of rows takes (at most 32 rows) */
+#define MAX_ROWS_SCRATCH (16 << 20) /* bytes of scores a thread holds for a run's rows, past one row's */
 
 #include "query_lanes.h" /* after CHUNK */
 
@@ -74,12 +79,16 @@ ALWAYS_INLINE f32x16 chunk_scores(const float *query, const float *const *k, int
   return sum16(raw);
 }
 
-/* o = inverse * sum over n positions (a multiple of CHUNK) of w[c] * v[c]. Inlined with a constant
- * `vectors`, the accumulators live in registers. */
+/* o = inverse * sum over n positions (a multiple of CHUNK) of w[c] * v[c], summed on from `sums` (the
+ * even positions' sums, then the odd ones', of the positions before; NULL: none). Inlined with a
+ * constant `vectors`, the accumulators live in registers. */
 ALWAYS_INLINE void weighted_values(const float *w, const float *const *v, int64_t offset, int64_t n,
-                                   const int64_t vectors, float inverse, float *o) {
+                                   const int64_t vectors, float inverse, const float *sums, float *o) {
   f32x16 even[MAX_VECTORS], odd[MAX_VECTORS];
-  for (int64_t x = 0; x < vectors; x++) even[x] = odd[x] = f32x16_zero();
+  for (int64_t x = 0; x < vectors; x++) {
+    even[x] = sums ? f32x16_load(sums + 16 * x) : f32x16_zero();
+    odd[x] = sums ? f32x16_load(sums + 16 * (vectors + x)) : f32x16_zero();
+  }
   for (int64_t c = 0; c < n; c += 2) {
     const f32x16 w0 = f32x16_broadcast(w[c]), w1 = f32x16_broadcast(w[c + 1]);
     for (int64_t x = 0; x < vectors; x++) {
@@ -92,13 +101,13 @@ ALWAYS_INLINE void weighted_values(const float *w, const float *const *v, int64_
 }
 
 static void weighted_values_any(const float *w, const float *const *v, int64_t offset, int64_t n, int64_t vectors,
-                                float inverse, float *o) {
+                                float inverse, const float *sums, float *o) {
   switch (vectors) {  /* the head sizes models use, each with its accumulators in registers */
-    case 1: weighted_values(w, v, offset, n, 1, inverse, o); break;
-    case 2: weighted_values(w, v, offset, n, 2, inverse, o); break;
-    case 4: weighted_values(w, v, offset, n, 4, inverse, o); break;
-    case 8: weighted_values(w, v, offset, n, 8, inverse, o); break;
-    default: weighted_values(w, v, offset, n, vectors, inverse, o);
+    case 1: weighted_values(w, v, offset, n, 1, inverse, sums, o); break;
+    case 2: weighted_values(w, v, offset, n, 2, inverse, sums, o); break;
+    case 4: weighted_values(w, v, offset, n, 4, inverse, sums, o); break;
+    case 8: weighted_values(w, v, offset, n, 8, inverse, sums, o); break;
+    default: weighted_values(w, v, offset, n, vectors, inverse, sums, o);
   }
 }
 
@@ -168,14 +177,14 @@ static inline int64_t nth_row(uint32_t rows, int64_t nth) {
   return __builtin_ctz(rows);
 }
 
-/* qt [group][lane_sets][D][LANES]: lane l of set s holds query head l + 16 s of the rows in `sharing`
+/* qt [group][sets][D][LANES]: lane l of set s holds query head l + 16 s of the rows in `sharing`
  * (rows b0 + n, in order; per row token i's heads of key/value head g0 + g, i major); unused lanes 0. */
 static void transpose_queries(float *qt, const float *q, int64_t q_stride, int64_t b0, uint32_t sharing, int64_t Q,
-                              int64_t shared, int64_t D, int64_t group, int64_t g0, int64_t lane_sets) {
+                              int64_t shared, int64_t D, int64_t group, int64_t g0, int64_t sets) {
   const int64_t per_head = Q * shared, lanes = __builtin_popcount(sharing) * per_head;
   for (int64_t g = 0; g < group; g++) {
-    float *at = qt + g * lane_sets * D * LANES;
-    for (int64_t x = 0; x < lane_sets * D * LANES; x++) at[x] = 0.0f;
+    float *at = qt + g * sets * D * LANES;
+    for (int64_t x = 0; x < sets * D * LANES; x++) at[x] = 0.0f;
     for (int64_t l = 0; l < lanes; l++) {
       const int64_t n = nth_row(sharing, l / per_head), i = l % per_head / shared, r = l % shared;
       const float *query = q + ((b0 + n) * Q + i) * q_stride + ((g0 + g) * shared + r) * D;
@@ -195,33 +204,47 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
   const int threads = omp_get_num_threads();
   const int64_t shared = heads / kv_heads, vectors = D / 16, per_head = Q * shared;
   const int64_t span = C + 2 * CHUNK;  /* the most positions a row's chunks cover */
-  /* A task is a run of rows that start on one block (a shared prefix), up to TASK_LANES query heads of one
-   * key/value head and within MAX_ROWS_SCRATCH, so that they score the blocks they share in vector
-   * lanes (query_lanes.h); any other row is a task of its own. With fewer tasks than threads, one
-   * key/value head each keeps every thread busy. */
-  const int64_t row_scores = heads * Q * span * (int64_t)sizeof(float);
+  /* Rows that start on one block (a shared prefix) form a run, up to TASK_LANES query heads of one
+   * key/value head and within MAX_ROWS_SCRATCH, and score the blocks they share in vector lanes
+   * (query_lanes.h); any other row is a run of its own. A task is a run's key/value head, or all of a
+   * lone row's heads where there are at least as many runs as threads. */
+  const int64_t row_scores = per_head * span * (int64_t)sizeof(float);
   int64_t rows = per_head >= TASK_LANES ? 1 : TASK_LANES / per_head;
   if (rows * row_scores > MAX_ROWS_SCRATCH) rows = row_scores >= MAX_ROWS_SCRATCH ? 1 : MAX_ROWS_SCRATCH / row_scores;
   int64_t *runs = malloc((B + 1) * sizeof(int64_t)), row_runs = 0;  /* run k: rows runs[k] .. runs[k + 1] */
   for (int64_t b = 0; b < B; b++)
     if (b == 0 || b - runs[row_runs - 1] == rows || slots[b * C] != slots[runs[row_runs - 1] * C]) runs[row_runs++] = b;
   runs[row_runs] = B;
-  const int64_t group = row_runs >= threads ? kv_heads : 1, tasks = row_runs * (kv_heads / group);
-  const int64_t per_task = group * per_head, lane_sets = (rows * per_head + LANES - 1) / LANES;
+  struct task { int64_t b0, count, g0, group; } *tasks = malloc(row_runs * kv_heads * sizeof *tasks);
+  int64_t jobs = 0, most_heads = 0, most_rows = 0, most_sets = 0;  /* tasks; their most query heads, rows, lane sets */
+  for (int64_t k = 0; k < row_runs; k++) {
+    const int64_t b0 = runs[k], n = runs[k + 1] - b0, group = n == 1 && row_runs >= threads ? kv_heads : 1;
+    for (int64_t g0 = 0; g0 < kv_heads; g0 += group) tasks[jobs++] = (struct task){b0, n, g0, group};
+    most_heads = n * group * per_head > most_heads ? n * group * per_head : most_heads;
+    most_rows = n > most_rows ? n : most_rows;
+    most_sets = group * lane_sets(n * per_head) > most_sets ? group * lane_sets(n * per_head) : most_sets;
+  }
   /* Per thread, reused by its tasks: each row's reads and scores (then weights), and the transposed
-   * queries (query_lanes.h) of the rows that read the chunk at hand, for each head and set of 16. */
-  struct row_reads *reads = malloc(rows * sizeof *reads);
-  const float **pointers = malloc(2 * rows * span * sizeof(float *));
-  float *scores = aligned_floats(rows * per_task * span), *qt = aligned_floats(group * lane_sets * D * LANES);
-  int64_t *bounds = malloc(2 * rows * Q * sizeof(int64_t));
-  for (int64_t n = 0; n < rows; n++)
-    reads[n] = (struct row_reads){.k = pointers + 2 * n * span, .v = pointers + (2 * n + 1) * span,
-                                  .scores = scores + n * per_task * span, .start = bounds + 2 * n * Q,
-                                  .end = bounds + (2 * n + 1) * Q};
+   * queries (query_lanes.h) of the rows that read the chunk at hand, for each head and set of 16;
+   * for the weighted values, each query head's inverse sum of weights and its sums over the chunks
+   * summed in lanes, the weights transposed, and one set of lanes' weights and sums. */
+  struct row_reads *reads = malloc(most_rows * sizeof *reads);
+  const float **pointers = malloc(2 * most_rows * span * sizeof(float *));
+  float *scores = aligned_floats(most_heads * span), *qt = aligned_floats(most_sets * D * LANES);
+  int64_t *bounds = malloc(2 * most_rows * Q * sizeof(int64_t));
+  float *inverses = malloc(most_heads * sizeof(float)), *sums = aligned_floats(most_heads * 2 * D);
+  float *wt = aligned_floats(span * LANES);
+  const float *lane_weights[LANES];
+  float *lane_sums[LANES];
 #pragma omp for schedule(static)
-  for (int64_t task = 0; task < tasks; task++) {
-    const int64_t run = task / (kv_heads / group), b0 = runs[run], g0 = task % (kv_heads / group) * group;
-    const int64_t count = runs[run + 1] - b0, lines = group * vectors;  /* lines: of a position's keys */
+  for (int64_t task = 0; task < jobs; task++) {
+    const int64_t b0 = tasks[task].b0, count = tasks[task].count, g0 = tasks[task].g0, group = tasks[task].group;
+    const int64_t per_task = group * per_head, lines = group * vectors;  /* lines: of a position's keys */
+    const int64_t sets = lane_sets(count * per_head);
+    for (int64_t n = 0; n < count; n++)
+      reads[n] = (struct row_reads){.k = pointers + 2 * n * span, .v = pointers + (2 * n + 1) * span,
+                                    .scores = scores + n * per_task * span, .start = bounds + 2 * n * Q,
+                                    .end = bounds + (2 * n + 1) * Q};
     int64_t from = INT64_MAX, to = 0;
     for (int64_t n = 0; n < count; n++) {
       struct row_reads *w = reads + n;
@@ -231,6 +254,8 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
       to = w->hi > to ? w->hi : to;
     }
     uint32_t transposed = 0;  /* the rows whose queries qt holds */
+    const uint32_t every_row = (uint32_t)((1ull << count) - 1);
+    int64_t together = from;  /* the end of the leading chunks every row reads, scored in lanes */
     for (int64_t c0 = from; c0 < to; c0 += CHUNK) {
       uint32_t done = 0;
       for (int64_t n = 0; n < count; n++) {
@@ -246,17 +271,18 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
         prefetch(w->v + t, lines);  /* read after every score: by then they are in the caches */
         const int64_t lanes = __builtin_popcount(sharing) * per_head;
         if (lanes >= LANES_FROM && sharing != transposed) {
-          transpose_queries(qt, q, q_stride, b0, sharing, Q, shared, D, group, g0, lane_sets);
+          transpose_queries(qt, q, q_stride, b0, sharing, Q, shared, D, group, g0, sets);
           transposed = sharing;
         }
         if (lanes >= LANES_FROM) {
+          if (sharing == every_row && together == c0) together += CHUNK;
           for (int64_t g = 0; g < group; g++) {
             /* Lane l of set s: the (16 s + l)th query head of the rows sharing the chunk, in row order,
              * then token i, then head r. */
             uint32_t left = sharing;
             for (int64_t s = 0, i = 0, r = 0; left; s++) {
               f32x16 by_query[CHUNK];
-              chunk_lane_scores(qt + (g * lane_sets + s) * D * LANES, w->k + t, g * D, vectors, scale, by_query);
+              chunk_lane_scores(qt + (g * sets + s) * D * LANES, w->k + t, g * D, vectors, scale, by_query);
               for (int l = 0; l < LANES && left; l++) {
                 const struct row_reads *x = reads + __builtin_ctz(left);
                 store_scores(x, (g * Q + i) * shared + r, c0, span, seen_at(x, i, c0), by_query[l]);
@@ -283,14 +309,15 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
         }
       }
     }
+    /* Each query head's weights, in place of its scores, and the inverse of their sum. */
+    int lanes_fit = together > from;  /* whether every query head's positions start with those chunks */
     for (int64_t n = 0; n < count; n++) {
       const struct row_reads *x = reads + n;
-      const int64_t b = b0 + n;
       for (int64_t j = 0; j < per_task; j++) {  /* j = (g * Q + i) * shared + r */
-        const int64_t g = j / per_head, i = j % per_head / shared, r = j % shared;
-        float *o = out + ((b * Q + i) * heads + (g0 + g) * shared + r) * D;
+        const int64_t i = j % per_head / shared;
         const int64_t first = x->start[i] - x->start[i] % CHUNK - x->lo;
         const int64_t last = x->end[i] <= x->start[i] ? first : round_up(x->end[i]) - x->lo;
+        lanes_fit &= x->lo + first == from && x->lo + last >= together;
         float *w = x->scores + j * span;
         f32x16 top = f32x16_broadcast(-INFINITY), sum = f32x16_zero();
         for (int64_t t = first; t < last; t += CHUNK) top = f32x16_max(top, f32x16_load(w + t));
@@ -303,16 +330,43 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
           sum = f32x16_add(sum, e);
         }
         const float total = f32x16_reduce_add(sum);
-        weighted_values_any(w + first, x->v + first, g * D, last - first, vectors, total > 0.0f ? 1.0f / total : 0.0f, o);
+        inverses[n * per_task + j] = total > 0.0f ? 1.0f / total : 0.0f;
+      }
+    }
+    /* The weighted values over the chunks every row scored in lanes, summed in lanes too (16 query
+     * heads at a time), then each query head's own positions on from those sums. */
+    for (int64_t g = 0; lanes_fit && g < group; g++)
+      for (int64_t n = 0, in_set = 0; n < count; n++)
+        for (int64_t j = g * per_head; j < (g + 1) * per_head; j++) {
+          lane_weights[in_set] = reads[n].scores + j * span;
+          lane_sums[in_set++] = sums + (n * per_task + j) * 2 * D;
+          if (in_set == LANES || (n == count - 1 && j == (g + 1) * per_head - 1)) {
+            lane_weighted_sums(lane_weights, in_set, reads[0].v, g * D, together - from, D, wt, lane_sums);
+            in_set = 0;
+          }
+        }
+    for (int64_t n = 0; n < count; n++) {
+      const struct row_reads *x = reads + n;
+      for (int64_t j = 0; j < per_task; j++) {
+        const int64_t g = j / per_head, i = j % per_head / shared, r = j % shared;
+        float *o = out + (((b0 + n) * Q + i) * heads + (g0 + g) * shared + r) * D;
+        const int64_t first = lanes_fit ? together - x->lo : x->start[i] - x->start[i] % CHUNK - x->lo;
+        const int64_t last = x->end[i] <= x->start[i] ? first : round_up(x->end[i]) - x->lo;
+        weighted_values_any(x->scores + j * span + first, x->v + first, g * D, last - first, vectors,
+                            inverses[n * per_task + j], lanes_fit ? sums + (n * per_task + j) * 2 * D : NULL, o);
       }
     }
   }
   free(runs);
+  free(tasks);
   free(reads);
   free(pointers);
   free(scores);
   free(qt);
   free(bounds);
+  free(inverses);
+  free(sums);
+  free(wt);
 }
 
 #endif

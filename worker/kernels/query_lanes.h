@@ -14,6 +14,8 @@
 
 #define LANES 16
 
+static inline int64_t lane_sets(int64_t queries) { return (queries + LANES - 1) / LANES; }
+
 /* The order sum16 adds a vector's 16 lanes in, on whole vectors: lanes 4Q..4Q+3 as
  * (p0 + p2) + (p1 + p3), then quarters as (Q0 + Q1) + (Q2 + Q3). */
 ALWAYS_INLINE f32x16 quarter_sum(const f32x16 p[4]) {
@@ -77,6 +79,48 @@ static void chunk_lane_scores(const float *qt, const float *const *k, int64_t of
   chunk_lane_scores_n(qt, k, offset, vectors, scores);
   for (int c = 0; c < CHUNK; c++) scores[c] = f32x16_mul(scores[c], f32x16_broadcast(scale));
   transpose16(scores);
+}
+
+/* Dimensions of the values one pass over the positions sums: two accumulators a dimension (even and
+ * odd positions, as weighted_values) and room for the weights. */
+#define VALUE_DIMS (F32X16_REGISTERS / 4)
+
+/* The weighted values' sums over positions [0, n) (a multiple of CHUNK) of each lane's query, the
+ * sums weighted_values (paged_attention.h) starts with, to the bit: for dimension d, the fused
+ * adds of w[c] * v[c][d] over the even positions in order, and over the odd ones. Here the queries'
+ * weights are transposed into lanes (wt: scratch of n * LANES floats), and each pass over the
+ * positions sums VALUE_DIMS dimensions for every lane. w[l]: lane l's weights; v[c] + offset: the
+ * values at position c; sums[l]: lane l's even sums, then its odd ones (2 * D floats). */
+static void lane_weighted_sums(const float *const *w, int64_t lanes, const float *const *v, int64_t offset,
+                               int64_t n, int64_t D, float *wt, float *const *sums) {
+  for (int64_t t = 0; t < n; t += CHUNK) {
+    f32x16 r[LANES];
+    for (int64_t l = 0; l < LANES; l++) r[l] = l < lanes ? f32x16_load(w[l] + t) : f32x16_zero();
+    transpose16(r);
+    for (int c = 0; c < CHUNK; c++) f32x16_store(wt + (t + c) * LANES, r[c]);
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += VALUE_DIMS) {
+    f32x16 even[VALUE_DIMS], odd[VALUE_DIMS];
+    for (int k = 0; k < VALUE_DIMS; k++) even[k] = odd[k] = f32x16_zero();
+    for (int64_t c = 0; c < n; c += 2) {
+      const f32x16 w0 = f32x16_load(wt + c * LANES), w1 = f32x16_load(wt + (c + 1) * LANES);
+      const float *v0 = v[c] + offset + d0, *v1 = v[c + 1] + offset + d0;
+      for (int k = 0; k < VALUE_DIMS; k++) {
+        even[k] = f32x16_fmadd(w0, f32x16_broadcast(v0[k]), even[k]);
+        odd[k] = f32x16_fmadd(w1, f32x16_broadcast(v1[k]), odd[k]);
+      }
+    }
+    float by_lane[2][VALUE_DIMS][LANES];
+    for (int k = 0; k < VALUE_DIMS; k++) {
+      f32x16_store(by_lane[0][k], even[k]);
+      f32x16_store(by_lane[1][k], odd[k]);
+    }
+    for (int64_t l = 0; l < lanes; l++)
+      for (int k = 0; k < VALUE_DIMS; k++) {
+        sums[l][d0 + k] = by_lane[0][k][l];
+        sums[l][D + d0 + k] = by_lane[1][k][l];
+      }
+  }
 }
 
 #endif
