@@ -206,8 +206,10 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
   const int64_t span = C + 2 * CHUNK;  /* the most positions a row's chunks cover */
   /* Rows that start on one block (a shared prefix) form a run, up to TASK_LANES query heads of one
    * key/value head and within MAX_ROWS_SCRATCH, and score the blocks they share in vector lanes
-   * (query_lanes.h); any other row is a run of its own. A task is a run's key/value head, or all of a
-   * lone row's heads where there are at least as many runs as threads. */
+   * (query_lanes.h); any other row is a run of its own. A task is a run's key/value head, or, where
+   * there are at least as many runs as threads, a lone row's key/value heads, as many as a run has
+   * rows at most: a thread's scratch is then never more than when every row shares one table, the
+   * step the memory profile runs (profile_run.py). */
   const int64_t row_scores = per_head * span * (int64_t)sizeof(float);
   int64_t rows = per_head >= TASK_LANES ? 1 : TASK_LANES / per_head;
   if (rows * row_scores > MAX_ROWS_SCRATCH) rows = row_scores >= MAX_ROWS_SCRATCH ? 1 : MAX_ROWS_SCRATCH / row_scores;
@@ -218,7 +220,9 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
   struct task { int64_t b0, count, g0, group; } *tasks = malloc(row_runs * kv_heads * sizeof *tasks);
   int64_t jobs = 0, most_heads = 0, most_rows = 0, most_sets = 0;  /* tasks; their most query heads, rows, lane sets */
   for (int64_t k = 0; k < row_runs; k++) {
-    const int64_t b0 = runs[k], n = runs[k + 1] - b0, group = n == 1 && row_runs >= threads ? kv_heads : 1;
+    const int64_t b0 = runs[k], n = runs[k + 1] - b0;
+    int64_t group = n == 1 && row_runs >= threads ? (rows < B ? rows : B) : 1;
+    while (kv_heads % group) group--;
     for (int64_t g0 = 0; g0 < kv_heads; g0 += group) tasks[jobs++] = (struct task){b0, n, g0, group};
     most_heads = n * group * per_head > most_heads ? n * group * per_head : most_heads;
     most_rows = n > most_rows ? n : most_rows;
