@@ -97,22 +97,22 @@ def test_a_token_verified_among_a_drafts_gives_the_bits_it_gives_decoded_alone(w
 def test_rows_reading_one_prefix_give_the_bits_each_gives_alone(heads, kv_heads, dim, tokens, window, threads):
     """Rows whose tables share a prefix's blocks score them together, queries in vector lanes
     (query_lanes.h); each row's bits are still those it gets alone, where its queries go through the
-    sum trees. 11 rows: 32 shared positions, then rows of their own lengths over blocks of their own,
+    sum trees. 13 rows: 32 shared positions, then rows of their own lengths over blocks of their own,
     two of them sharing those too."""
     torch.manual_seed(1)
     cache = torch.randn(2, 64 * BLOCK, kv_heads, dim)
-    tables = [[5, 9, 20 + 3 * r, 21 + 3 * r, 22 + 3 * r] for r in range(11)]
+    tables = [[5, 9, 20 + 3 * r, 21 + 3 * r, 22 + 3 * r] for r in range(13)]
     tables[4] = tables[3]
-    starts = [32 + 3 * r for r in range(11)]
+    starts = [32 + 3 * r for r in range(13)]
     starts[4] = starts[3]
-    q = torch.randn(11, tokens, heads + 2 * kv_heads, dim)[:, :, :heads]
-    batch = build_paged_batch([[1] * tokens] * 11, starts, tables, BLOCK, 1, CPU)
+    q = torch.randn(13, tokens, heads + 2 * kv_heads, dim)[:, :, :heads]
+    batch = build_paged_batch([[1] * tokens] * 13, starts, tables, BLOCK, 1, CPU)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         together = run_kernel(q, cache, batch, window)
         torch.testing.assert_close(together, torch_path(q, cache, batch, window), rtol=1e-5, atol=1e-5)
-        for r in range(11):
+        for r in range(13):
             alone = build_paged_batch([[1]], [starts[r] + tokens - 1], [tables[r]], BLOCK, 1, CPU)
             last = q[r:r + 1, tokens - 1:].contiguous()
             assert torch.equal(run_kernel(last, cache, alone, window), together[r:r + 1, tokens - 1:]), r

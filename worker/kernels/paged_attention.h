@@ -35,8 +35,14 @@
 #define CHUNK 16
 #define AHEAD 2       /* chunks prefetched before they are read */
 #define MAX_VECTORS 8 /* head_dim up to 128 (paged_attention.py checks) */
-#define LANES_FROM 12 /* query heads reading one chunk from which they share lanes: fewer, trees cost less */
-#define TASK_LANES 32  /* query heads of one key/value head a run of rows takes (at most 32 rows) */
+/* Query heads reading one chunk from which they share lanes (fewer: trees cost less); on AVX2, whose
+ * 16 registers the lanes' passes overflow, never, and every row is a lone row (below). */
+#if F32X16_REGISTERS >= 32
+#define LANES_FROM 12
+#else
+#define LANES_FROM (1 << 30) /* more query heads than any task has */
+#endif
+#define TASK_LANES 32  /* query heads of one key/value head a run of rows holds */
 #define MAX_ROWS_SCRATCH (16 << 20) /* bytes of scores a thread holds for a run's rows, past one row's */
 
 #include "query_lanes.h" /* after CHUNK */
@@ -205,24 +211,33 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
   const int64_t shared = heads / kv_heads, vectors = D / 16, per_head = Q * shared;
   const int64_t span = C + 2 * CHUNK;  /* the most positions a row's chunks cover */
   /* Rows that start on one block (a shared prefix) form a run, up to TASK_LANES query heads of one
-   * key/value head and within MAX_ROWS_SCRATCH, and score the blocks they share in vector lanes
-   * (query_lanes.h); any other row is a run of its own. A task is a run's key/value head, or, where
-   * there are at least as many runs as threads, a lone row's key/value heads, as many as a run has
-   * rows at most: a thread's scratch is then never more than when every row shares one table, the
-   * step the memory profile runs (profile_run.py). */
+   * key/value head (but at least kv_heads rows) and within MAX_ROWS_SCRATCH, and score the blocks
+   * they share in vector lanes (query_lanes.h). A task is a run's key/value head. Fewer such rows
+   * than would fill LANES_FROM lanes or than there are key/value heads are no run: each is a lone
+   * row, a task of all its key/value heads where there are at least as many runs and lone rows as
+   * threads (of one each otherwise). A thread's scratch is then never more than when every row shares one table,
+   * the step the memory profile runs (profile_run.py): a run's rows hold the scores of at least as
+   * many query heads as a lone row's. */
   const int64_t row_scores = per_head * span * (int64_t)sizeof(float);
-  int64_t rows = per_head >= TASK_LANES ? 1 : TASK_LANES / per_head;
-  if (rows * row_scores > MAX_ROWS_SCRATCH) rows = row_scores >= MAX_ROWS_SCRATCH ? 1 : MAX_ROWS_SCRATCH / row_scores;
+  int64_t rows = LANES_FROM > TASK_LANES ? 1 : TASK_LANES / per_head > kv_heads ? TASK_LANES / per_head : kv_heads;
+  if (rows * row_scores > MAX_ROWS_SCRATCH) rows = MAX_ROWS_SCRATCH / row_scores;
+  rows = rows > 32 ? 32 : rows < 1 ? 1 : rows;  /* a run's rows are the bits of a uint32_t */
+  int64_t fewest = (LANES_FROM + per_head - 1) / per_head;  /* the fewest rows of a run */
+  fewest = fewest > kv_heads ? fewest : kv_heads;
+  fewest = fewest > 2 ? fewest : 2;
   int64_t *runs = malloc((B + 1) * sizeof(int64_t)), row_runs = 0;  /* run k: rows runs[k] .. runs[k + 1] */
-  for (int64_t b = 0; b < B; b++)
-    if (b == 0 || b - runs[row_runs - 1] == rows || slots[b * C] != slots[runs[row_runs - 1] * C]) runs[row_runs++] = b;
+  for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {  /* rows b0 .. b1 start on one block */
+    for (b1 = b0 + 1; b1 < B && slots[b1 * C] == slots[b0 * C]; b1++) {}
+    for (int64_t b = b0; b < b1; b += rows)
+      if ((b1 - b < rows ? b1 - b : rows) >= fewest) runs[row_runs++] = b;
+      else for (int64_t lone = b; lone < b1 && lone < b + rows; lone++) runs[row_runs++] = lone;
+  }
   runs[row_runs] = B;
   struct task { int64_t b0, count, g0, group; } *tasks = malloc(row_runs * kv_heads * sizeof *tasks);
   int64_t jobs = 0, most_heads = 0, most_rows = 0, most_sets = 0;  /* tasks; their most query heads, rows, lane sets */
   for (int64_t k = 0; k < row_runs; k++) {
     const int64_t b0 = runs[k], n = runs[k + 1] - b0;
-    int64_t group = n == 1 && row_runs >= threads ? (rows < B ? rows : B) : 1;
-    while (kv_heads % group) group--;
+    const int64_t group = n > 1 || row_runs < threads ? 1 : kv_heads;
     for (int64_t g0 = 0; g0 < kv_heads; g0 += group) tasks[jobs++] = (struct task){b0, n, g0, group};
     most_heads = n * group * per_head > most_heads ? n * group * per_head : most_heads;
     most_rows = n > most_rows ? n : most_rows;

@@ -1,11 +1,12 @@
-/* Decode attention's scores with the queries in vector lanes: where several rows read the same keys
- * (rows decoding after one cached prefix, or a row's verified tokens), one pass over a chunk's 16 keys
- * scores up to 16 queries, query j in lane j. Every sum is the one chunk_scores (paged_attention.h)
- * takes, to the bit: for key c, lane l of chunk_scores' product vector is the sum over x of
- * q[16x + l] * k[16x + l] (a product, then fused adds in x's order); here that sum is taken for all
- * queries at once (q transposed: qt[16x + l] is the vector of the queries' element 16x + l), and the
- * 16 sums are added in sum16's tree as whole vectors. Nothing crosses lanes until a transpose hands
- * each query its 16 scores, so a query's scores are the same whichever path or lanes computed them.
+/* Decode attention with the queries in vector lanes: where several rows read the same keys (rows
+ * decoding after one cached prefix, or a row's verified tokens), one pass over a chunk's 16 keys
+ * scores up to 16 queries, query j in lane j, and one pass over the values sums them for 16 queries.
+ * Every sum is the one paged_attention.h's trees take, to the bit. Scores: for key c, lane l of
+ * chunk_scores' product vector is the sum over x of q[16x + l] * k[16x + l] (a product, then fused
+ * adds in x's order); here that sum is taken for all queries at once (q transposed: qt[16x + l] is
+ * the vector of the queries' element 16x + l), and the 16 sums are added in sum16's tree as whole
+ * vectors. Nothing crosses lanes until a transpose hands each query its 16 scores. Weighted values:
+ * the same fused adds as weighted_values', even and odd positions apart, each query's in its lane.
  * Included by paged_attention.h.
  */
 #ifndef QUERY_LANES_H
