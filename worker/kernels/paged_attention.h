@@ -241,7 +241,8 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
     for (int64_t g0 = 0; g0 < kv_heads; g0 += group) tasks[jobs++] = (struct task){b0, n, g0, group};
     most_heads = n * group * per_head > most_heads ? n * group * per_head : most_heads;
     most_rows = n > most_rows ? n : most_rows;
-    most_sets = group * lane_sets(n * per_head) > most_sets ? group * lane_sets(n * per_head) : most_sets;
+    if (n * per_head >= LANES_FROM)  /* the task may share lanes */
+      most_sets = group * lane_sets(n * per_head) > most_sets ? group * lane_sets(n * per_head) : most_sets;
   }
   /* Per thread, reused by its tasks: each row's reads and scores (then weights), and the transposed
    * queries (query_lanes.h) of the rows that read the chunk at hand, for each head and set of 16;
@@ -249,10 +250,10 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
    * summed in lanes, the weights transposed, and one set of lanes' weights and sums. */
   struct row_reads *reads = malloc(most_rows * sizeof *reads);
   const float **pointers = malloc(2 * most_rows * span * sizeof(float *));
-  float *scores = aligned_floats(most_heads * span), *qt = aligned_floats(most_sets * D * LANES);
+  float *scores = aligned_floats(most_heads * span), *qt = most_sets ? aligned_floats(most_sets * D * LANES) : NULL;
   int64_t *bounds = malloc(2 * most_rows * Q * sizeof(int64_t));
-  float *inverses = malloc(most_heads * sizeof(float)), *sums = aligned_floats(most_heads * 2 * D);
-  float *wt = aligned_floats(span * LANES);
+  float *inverses = malloc(most_heads * sizeof(float));
+  float *sums = most_sets ? aligned_floats(most_heads * 2 * D) : NULL, *wt = most_sets ? aligned_floats(span * LANES) : NULL;
   const float *lane_weights[LANES];
   float *lane_sums[LANES];
 #pragma omp for schedule(static)
