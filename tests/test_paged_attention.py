@@ -96,9 +96,10 @@ def test_a_token_verified_among_a_drafts_gives_the_bits_it_gives_decoded_alone(w
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_reading_one_prefix_give_the_bits_each_gives_alone(heads, kv_heads, dim, tokens, window, threads):
     """Rows whose tables share a prefix's blocks score them together, queries in vector lanes
-    (query_lanes.h); each row's bits are still those it gets alone, where its queries go through the
-    sum trees. 13 rows: 32 shared positions, then rows of their own lengths over blocks of their own,
-    two of them sharing those too."""
+    (query_lanes.h, on AVX-512); each row's bits are still those it gets alone, where its queries go
+    through the sum trees (or lanes of its own, from 12 query heads a key/value head). 13 rows: 32
+    shared positions, then rows of their own lengths over blocks of their own, two of them sharing
+    those too."""
     torch.manual_seed(1)
     cache = torch.randn(2, 64 * BLOCK, kv_heads, dim)
     tables = [[5, 9, 20 + 3 * r, 21 + 3 * r, 22 + 3 * r] for r in range(13)]

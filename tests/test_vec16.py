@@ -70,7 +70,7 @@ def every_kernel(model) -> dict[str, torch.Tensor]:
         for window in (None, 7):
             out[f"paged_attention {dim} {window}"] = paged_attention.attend(
                 q, kv[0], kv[1], batch.gather_slots, batch.positions, batch.context_lens, window)
-    # nine rows decoding after one prefix: its blocks' scores with the queries in vector lanes
+    # nine rows decoding after one prefix: its blocks in vector lanes on AVX-512, in sum trees on AVX2
     shared = build_paged_batch([[1]] * 9, [33 + r for r in range(9)], [[5, 9, 20 + r] for r in range(9)], BLOCK, 1,
                                CPU)
     kv, q = torch.randn(2, 64 * BLOCK, 4, 32, generator=g), torch.randn(9, 1, 8, 32, generator=g)
