@@ -64,6 +64,10 @@ def serve_one(model: str, events: list[str], monkeypatch) -> list:
         loop.stop()
 
 
+def assert_every_token(outputs: list) -> None:
+    assert sum(len(out.new_token_ids) for out in outputs) == TOKENS and outputs[-1].finished
+
+
 @pytest.fixture
 def spare_core(monkeypatch):
     """Cores beside every step's kernel threads (the tests' steps run on one): on a machine of one
@@ -75,7 +79,7 @@ def test_a_steps_outputs_go_out_as_the_next_kernel_starts_and_the_last_at_once(c
                                                                                spare_core):
     events: list[str] = []
     outputs = serve_one(checkpoints["llama"], events, monkeypatch)
-    assert sum(len(out.new_token_ids) for out in outputs) == TOKENS and outputs[-1].finished
+    assert_every_token(outputs)
     # Each step's tokens go out inside the next step, just before its kernel starts; the last step's
     # as it ends, no step following it.
     assert events == ["step", "kernel"] + ["step", "post 1", "kernel"] * (TOKENS - 1) + ["post 1"]
@@ -85,7 +89,7 @@ def test_steps_without_the_kernel_hand_their_outputs_out_as_they_end(checkpoints
     monkeypatch.setattr(DecoderForward, "runs_on", lambda self, kv_cache, batch: False)  # torch's forward
     events: list[str] = []
     outputs = serve_one(checkpoints["llama"], events, monkeypatch)
-    assert sum(len(out.new_token_ids) for out in outputs) == TOKENS and outputs[-1].finished
+    assert_every_token(outputs)
     assert events == ["step", "post 1"] * TOKENS
 
 
@@ -94,7 +98,7 @@ def test_a_kernel_on_every_core_leaves_the_outputs_to_the_steps_end(checkpoints,
     monkeypatch.setattr(decoder_forward, "CORES", 1)
     events: list[str] = []
     outputs = serve_one(checkpoints["llama"], events, monkeypatch)
-    assert sum(len(out.new_token_ids) for out in outputs) == TOKENS and outputs[-1].finished
+    assert_every_token(outputs)
     assert events == ["step", "kernel", "post 1"] * TOKENS
 
 

@@ -71,6 +71,8 @@ static inline void visible(int64_t p, int64_t length, int64_t window, int64_t *s
 }
 
 static inline int64_t round_up(int64_t c) { return c + (CHUNK - c % CHUNK) % CHUNK; }
+static inline int64_t larger(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* The scores of one query head against 16 keys, as one vector. */
 ALWAYS_INLINE f32x16 chunk_scores(const float *query, const float *const *k, int64_t offset, const int64_t vectors) {
@@ -127,36 +129,43 @@ static f32x16 chunk_scores_any(const float *query, const float *const *k, int64_
   }
 }
 
-/* The first `lines` cache lines at each of 16 positions, into L2 (into L1 the prefetches stalled). */
-static inline void prefetch(const float *const *at, int64_t lines) {
+/* `lines` cache lines from offset at each of 16 positions, into L2 (into L1 the prefetches stalled). */
+static inline void prefetch(const float *const *at, int64_t offset, int64_t lines) {
   for (int c = 0; c < CHUNK; c++)
-    for (int64_t x = 0; x < lines; x++) __builtin_prefetch(at[c] + 16 * x, 0, 2);  /* to read, into L2 */
+    for (int64_t x = 0; x < lines; x++) __builtin_prefetch(at[c] + offset + 16 * x, 0, 2);  /* to read, into L2 */
 }
 
 /* Where a row's chunks are: its tokens' visible ranges, the chunk-aligned span [lo, hi) they cover, and
- * where each position's keys and values of key/value head g0 sit (k[c - lo], v[c - lo]). */
+ * where each position's keys and values sit (k[c - lo], v[c - lo]: key/value head 0's; head g's are
+ * g * D on). */
 struct row_reads {
   int64_t lo, hi, *start, *end;
   const float **k, **v;
   float *scores;  /* [(g * Q + i) * shared + r][span] of the task's heads g */
 };
 
-static void find_reads(struct row_reads *w, int64_t b, int64_t g0, const float *keys, const float *values,
+static void find_reads(struct row_reads *w, int64_t b, const float *keys, const float *values,
                        const int64_t *slots, const int64_t *positions, const int64_t *lengths, int64_t Q, int64_t C,
                        int64_t kv_heads, int64_t D, int64_t window) {
   int64_t first = C, last = 0;
   for (int64_t i = 0; i < Q; i++) {
     visible(positions[b * Q + i], lengths[b], window, &w->start[i], &w->end[i]);
-    first = w->start[i] < first ? w->start[i] : first;
-    last = w->end[i] > last ? w->end[i] : last;
+    first = smaller(w->start[i], first);
+    last = larger(w->end[i], last);
   }
   w->lo = first - first % CHUNK;
   w->hi = last < w->lo ? w->lo : round_up(last);
   for (int64_t c = w->lo; c < w->hi; c++) {  /* past the context: any slot, those lanes are masked */
-    const int64_t at = (slots[b * C + (c < C ? c : C - 1)] * kv_heads + g0) * D;
+    const int64_t at = slots[b * C + (c < C ? c : C - 1)] * kv_heads * D;
     w->k[c - w->lo] = keys + at;
     w->v[c - w->lo] = values + at;
   }
+}
+
+/* Token i's chunks, [first, last) in its row's span. */
+static inline void query_chunks(const struct row_reads *w, int64_t i, int64_t *first, int64_t *last) {
+  *first = w->start[i] - w->start[i] % CHUNK - w->lo;
+  *last = w->end[i] <= w->start[i] ? *first : round_up(w->end[i]) - w->lo;
 }
 
 /* The positions of chunk c0 token i sees. */
@@ -219,17 +228,15 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
    * the step the memory profile runs (profile_run.py): a run's rows hold the scores of at least as
    * many query heads as a lone row's. */
   const int64_t row_scores = per_head * span * (int64_t)sizeof(float);
-  int64_t rows = LANES_FROM > TASK_LANES ? 1 : TASK_LANES / per_head > kv_heads ? TASK_LANES / per_head : kv_heads;
+  int64_t rows = LANES_FROM > TASK_LANES ? 1 : larger(TASK_LANES / per_head, kv_heads);
   if (rows * row_scores > MAX_ROWS_SCRATCH) rows = MAX_ROWS_SCRATCH / row_scores;
   rows = rows > 32 ? 32 : rows < 1 ? 1 : rows;  /* a run's rows are the bits of a uint32_t */
-  int64_t fewest = (LANES_FROM + per_head - 1) / per_head;  /* the fewest rows of a run */
-  fewest = fewest > kv_heads ? fewest : kv_heads;
-  fewest = fewest > 2 ? fewest : 2;
+  const int64_t fewest = larger(larger((LANES_FROM + per_head - 1) / per_head, kv_heads), 2);  /* a run's rows */
   int64_t *runs = malloc((B + 1) * sizeof(int64_t)), row_runs = 0;  /* run k: rows runs[k] .. runs[k + 1] */
   for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {  /* rows b0 .. b1 start on one block */
     for (b1 = b0 + 1; b1 < B && slots[b1 * C] == slots[b0 * C]; b1++) {}
     for (int64_t b = b0; b < b1; b += rows)
-      if ((b1 - b < rows ? b1 - b : rows) >= fewest) runs[row_runs++] = b;
+      if (smaller(b1 - b, rows) >= fewest) runs[row_runs++] = b;
       else for (int64_t lone = b; lone < b1 && lone < b + rows; lone++) runs[row_runs++] = lone;
   }
   runs[row_runs] = B;
@@ -239,10 +246,9 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
     const int64_t b0 = runs[k], n = runs[k + 1] - b0;
     const int64_t group = n > 1 || row_runs < threads ? 1 : kv_heads;
     for (int64_t g0 = 0; g0 < kv_heads; g0 += group) tasks[jobs++] = (struct task){b0, n, g0, group};
-    most_heads = n * group * per_head > most_heads ? n * group * per_head : most_heads;
-    most_rows = n > most_rows ? n : most_rows;
-    if (n * per_head >= LANES_FROM)  /* the task may share lanes */
-      most_sets = group * lane_sets(n * per_head) > most_sets ? group * lane_sets(n * per_head) : most_sets;
+    most_heads = larger(n * group * per_head, most_heads);
+    most_rows = larger(n, most_rows);
+    if (n * per_head >= LANES_FROM) most_sets = larger(group * lane_sets(n * per_head), most_sets);  /* it may share lanes */
   }
   /* Per thread, reused by its tasks: each row's reads and scores (then weights), and the transposed
    * queries (query_lanes.h) of the rows that read the chunk at hand, for each head and set of 16;
@@ -256,23 +262,27 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
   float *sums = most_sets ? aligned_floats(most_heads * 2 * D) : NULL, *wt = most_sets ? aligned_floats(span * LANES) : NULL;
   const float *lane_weights[LANES];
   float *lane_sums[LANES];
+  int64_t read_run = -1;  /* the run whose rows' reads `reads` holds: a run's tasks share them */
 #pragma omp for schedule(static)
   for (int64_t task = 0; task < jobs; task++) {
     const int64_t b0 = tasks[task].b0, count = tasks[task].count, g0 = tasks[task].g0, group = tasks[task].group;
     const int64_t per_task = group * per_head, lines = group * vectors;  /* lines: of a position's keys */
-    const int64_t sets = lane_sets(count * per_head);
-    for (int64_t n = 0; n < count; n++)
-      reads[n] = (struct row_reads){.k = pointers + 2 * n * span, .v = pointers + (2 * n + 1) * span,
-                                    .scores = scores + n * per_task * span, .start = bounds + 2 * n * Q,
-                                    .end = bounds + (2 * n + 1) * Q};
+    const int64_t sets = lane_sets(count * per_head), head0 = g0 * D;  /* head0: the task's heads' offset */
     int64_t from = INT64_MAX, to = 0;
     for (int64_t n = 0; n < count; n++) {
       struct row_reads *w = reads + n;
-      find_reads(w, b0 + n, g0, keys, values, slots, positions, lengths, Q, C, kv_heads, D, window);
-      for (int64_t c0 = w->lo; c0 < w->lo + AHEAD * CHUNK && c0 < w->hi; c0 += CHUNK) prefetch(w->k + c0 - w->lo, lines);
-      from = w->lo < from ? w->lo : from;
-      to = w->hi > to ? w->hi : to;
+      if (read_run != b0) {
+        *w = (struct row_reads){.k = pointers + 2 * n * span, .v = pointers + (2 * n + 1) * span,
+                                .start = bounds + 2 * n * Q, .end = bounds + (2 * n + 1) * Q};
+        find_reads(w, b0 + n, keys, values, slots, positions, lengths, Q, C, kv_heads, D, window);
+      }
+      w->scores = scores + n * per_task * span;
+      for (int64_t c0 = w->lo; c0 < w->lo + AHEAD * CHUNK && c0 < w->hi; c0 += CHUNK)
+        prefetch(w->k + c0 - w->lo, head0, lines);
+      from = smaller(w->lo, from);
+      to = larger(w->hi, to);
     }
+    read_run = b0;
     uint32_t transposed = 0;  /* the rows whose queries qt holds */
     const uint32_t every_row = (uint32_t)((1ull << count) - 1);
     int64_t together = from;  /* the end of the leading chunks every row reads, scored in lanes */
@@ -287,8 +297,8 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
             sharing |= 1u << m;
         done |= sharing;
         const int64_t t = c0 - w->lo;
-        if (c0 + AHEAD * CHUNK < w->hi) prefetch(w->k + t + AHEAD * CHUNK, lines);
-        prefetch(w->v + t, lines);  /* read after every score: by then they are in the caches */
+        if (c0 + AHEAD * CHUNK < w->hi) prefetch(w->k + t + AHEAD * CHUNK, head0, lines);
+        prefetch(w->v + t, head0, lines);  /* read after every score: by then they are in the caches */
         const int64_t lanes = __builtin_popcount(sharing) * per_head;
         if (lanes >= LANES_FROM && sharing != transposed) {
           transpose_queries(qt, q, q_stride, b0, sharing, Q, shared, D, group, g0, sets);
@@ -302,7 +312,8 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
             uint32_t left = sharing;
             for (int64_t s = 0, i = 0, r = 0; left; s++) {
               f32x16 by_query[CHUNK];
-              chunk_lane_scores(qt + (g * sets + s) * D * LANES, w->k + t, g * D, vectors, scale, by_query);
+              chunk_lane_scores(qt + (g * sets + s) * D * LANES, w->k + t, head0 + g * D, vectors, scale,
+                                by_query);
               for (int l = 0; l < LANES && left; l++) {
                 const struct row_reads *x = reads + __builtin_ctz(left);
                 store_scores(x, (g * Q + i) * shared + r, c0, span, seen_at(x, i, c0), by_query[l]);
@@ -321,7 +332,7 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
             for (int64_t g = 0; g < group; g++) {
               const float *query = q + ((b0 + n2) * Q + i) * q_stride + (g0 + g) * shared * D;
               for (int64_t r = 0; r < shared; r++) {
-                const f32x16 score = chunk_scores_any(query + r * D, w->k + t, g * D, vectors);
+                const f32x16 score = chunk_scores_any(query + r * D, w->k + t, head0 + g * D, vectors);
                 store_scores(x, (g * Q + i) * shared + r, c0, span, seen, f32x16_mul(score, f32x16_broadcast(scale)));
               }
             }
@@ -334,9 +345,8 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
     for (int64_t n = 0; n < count; n++) {
       const struct row_reads *x = reads + n;
       for (int64_t j = 0; j < per_task; j++) {  /* j = (g * Q + i) * shared + r */
-        const int64_t i = j % per_head / shared;
-        const int64_t first = x->start[i] - x->start[i] % CHUNK - x->lo;
-        const int64_t last = x->end[i] <= x->start[i] ? first : round_up(x->end[i]) - x->lo;
+        int64_t first, last;
+        query_chunks(x, j % per_head / shared, &first, &last);
         lanes_fit &= x->lo + first == from && x->lo + last >= together;
         float *w = x->scores + j * span;
         f32x16 top = f32x16_broadcast(-INFINITY), sum = f32x16_zero();
@@ -361,7 +371,7 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
           lane_weights[in_set] = reads[n].scores + j * span;
           lane_sums[in_set++] = sums + (n * per_task + j) * 2 * D;
           if (in_set == LANES || (n == count - 1 && j == (g + 1) * per_head - 1)) {
-            lane_weighted_sums(lane_weights, in_set, reads[0].v, g * D, together - from, D, wt, lane_sums);
+            lane_weighted_sums(lane_weights, in_set, reads[0].v, head0 + g * D, together - from, D, wt, lane_sums);
             in_set = 0;
           }
         }
@@ -370,9 +380,10 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
       for (int64_t j = 0; j < per_task; j++) {
         const int64_t g = j / per_head, i = j % per_head / shared, r = j % shared;
         float *o = out + (((b0 + n) * Q + i) * heads + (g0 + g) * shared + r) * D;
-        const int64_t first = lanes_fit ? together - x->lo : x->start[i] - x->start[i] % CHUNK - x->lo;
-        const int64_t last = x->end[i] <= x->start[i] ? first : round_up(x->end[i]) - x->lo;
-        weighted_values_any(x->scores + j * span + first, x->v + first, g * D, last - first, vectors,
+        int64_t first, last;
+        query_chunks(x, i, &first, &last);
+        if (lanes_fit) first = together - x->lo;  /* the chunks before, summed in lanes */
+        weighted_values_any(x->scores + j * span + first, x->v + first, head0 + g * D, last - first, vectors,
                             inverses[n * per_task + j], lanes_fit ? sums + (n * per_task + j) * 2 * D : NULL, o);
       }
     }
