@@ -1,21 +1,23 @@
 """Where a served step's time goes: the shared-prefix load through our HTTP server, and its shape in the
 engine alone, step by step.
 
-    python bench/served_steps.py [--runs 3] [--draft]
+    python bench/served_steps.py [--runs 3] [--draft] [--requests-per-stream 3]
 
 Each run starts our worker (plain, or with the draft and adaptive k) with its engine steps traced: this
 script runs itself as the server (`--serve TRACE -- worker args`), timing each step and its forward on
-the engine thread. guidellm drives bench/serve.py's shared-prefix load once (8 streams, 24 requests, the
-prefix not yet cached), while the cores' use is sampled every 10 ms. Then the same shape runs in the
-engine alone, in this process, on the server's threads: 8 closed-loop streams, 24 requests of one
-1024-token prefix + 32 tokens, 32 output tokens each.
+the engine thread. guidellm drives bench/serve.py's shared-prefix load once (8 streams, 24 requests by
+default, the prefix not yet cached), while the cores' use is sampled every 10 ms. Then the same shape
+runs in the engine alone, in this process, on the server's threads: 8 closed-loop streams, 24 requests
+of one 1024-token prefix + 32 tokens, 32 output tokens each.
 
 Per kind of step (a long prompt's chunk alone, a mixed step: a chunk beside decoding streams, a decode
 step), prints the medians over every run of the wall time of the step, of its forward and of the
 forward's C kernel (decoder_layers), each with the engine thread's CPU time and the time it was runnable
 but waited for a core. The rest it slept: outside the kernel on the GIL (the event loop holds it),
 inside it, which holds no GIL, on the kernel's other threads at the barriers between its stages. Also
-prints, while the server was busy, the cores it used and those everything else used.
+prints, while the server was busy, the cores it used and those everything else used, and where a served
+request's time to its first token went (the worker's own histograms, means over the drive): from its
+arrival to its first scheduling into a step, and from there to its first token.
 Timings only: nothing here is a test.
 """
 from __future__ import annotations
@@ -180,10 +182,34 @@ class CoreUse:
         return total[0], total[1] / total[0], total[2] / total[0]
 
 
+FIRST_TOKEN = ("vramledger_time_to_first_token_seconds", "vramledger_request_queue_seconds")
+
+
+def first_token_sums(url: str) -> dict[str, float]:
+    """The _sum and _count of the worker's time-to-first-token and queue histograms."""
+    import httpx
+
+    wanted = {f"{name}_{part}" for name in FIRST_TOKEN for part in ("sum", "count")}
+    sums = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            sums[name] = float(value)
+    return sums
+
+
+def first_token_split(before: dict[str, float], after: dict[str, float]) -> str:
+    """Mean ms from arrival to the first token, to the first scheduling, and between, over the drive."""
+    ttft, queue = ((after[f"{n}_sum"] - before[f"{n}_sum"]) / max(1.0, after[f"{n}_count"] - before[f"{n}_count"])
+                   for n in FIRST_TOKEN)
+    return (f"server TTFT mean {ttft * 1e3:.0f} ms: {queue * 1e3:.0f} from arrival to the first scheduling, "
+            f"{(ttft - queue) * 1e3:.0f} from there to the first token")
+
+
 def served(args) -> tuple[list[tuple], tuple[float, float, float], str]:
     import serve as bench
 
-    ns = bench.options().parse_args(["--concurrency", "8", "--requests-per-stream", "3"])
+    ns = bench.options().parse_args(["--concurrency", "8", "--requests-per-stream", str(args.requests_per_stream)])
     load = bench.build_loads(ns, ["shared-prefix"])["shared-prefix"]
     logdir = Path(tempfile.mkdtemp())
     trace = logdir / "steps.txt"
@@ -194,11 +220,13 @@ def served(args) -> tuple[list[tuple], tuple[float, float, float], str]:
         server.wait_ready()
         bench.warm_up(server)
         skip = len(read_trace(trace))  # the warm-up's steps
+        before = first_token_sums(server.url)
         with CoreUse(server.process.pid) as cores:
             result = bench.run_guidellm(bench.guidellm_command(), server, ns, load, logdir / "report.json")[0]
+        split = first_token_split(before, first_token_sums(server.url))
     finally:
         server.stop()
-    summary = f"{result['tok_s']:.0f} tok/s, TTFT median {result['ttft_ms']:.0f} ms"
+    summary = f"{result['tok_s']:.0f} tok/s, TTFT median {result['ttft_ms']:.0f} ms ({split})"
     return read_trace(trace)[skip:], cores.while_busy(), summary
 
 
@@ -250,9 +278,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="served drives, each on a fresh server")
     parser.add_argument("--draft", action="store_true", help="with the draft, adaptive k (default: plain)")
+    parser.add_argument("--requests-per-stream", type=int, default=3,
+                        help="the served drive's requests per stream (the engine alone keeps 3)")
     args = parser.parse_args()
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
+    if args.runs < 1 or args.requests_per_stream < 1:
+        parser.error("--runs and --requests-per-stream must be at least 1")
     served_rows: list[tuple] = []
     for run in range(args.runs):
         rows, (seconds, own, others), summary = served(args)
