@@ -283,16 +283,23 @@ def warm_up(server: Server) -> None:
             client.post(server.url + "/v1/chat/completions", json=body).raise_for_status()
 
 
+def metric_sums(url: str, names) -> dict[str, float]:
+    """Each named series of a server's /metrics, summed over its labels (0 where it has none)."""
+    sums = dict.fromkeys(names, 0.0)
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.split("{")[0]
+        if name in sums:
+            sums[name] += float(value.split()[0])
+    return sums
+
+
 def counters(server: Server) -> tuple[float, float] | None:
     if server.metrics is None:
         return None
     accepted, proposed = ACCEPTANCE_METRICS[server.metrics]
-    values = {}
-    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.split("{")[0] in (accepted, proposed):
-            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value.split()[0])
-    return values.get(accepted, 0.0), values.get(proposed, 0.0)
+    sums = metric_sums(server.url, (accepted, proposed))
+    return sums[accepted], sums[proposed]
 
 
 def measure(server: Server, guidellm: str, args, loads: dict[str, Load], logdir: Path) -> dict | str:

@@ -183,19 +183,7 @@ class CoreUse:
 
 
 FIRST_TOKEN = ("vramledger_time_to_first_token_seconds", "vramledger_request_queue_seconds")
-
-
-def first_token_sums(url: str) -> dict[str, float]:
-    """The _sum and _count of the worker's time-to-first-token and queue histograms."""
-    import httpx
-
-    wanted = {f"{name}_{part}" for name in FIRST_TOKEN for part in ("sum", "count")}
-    sums = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in wanted:
-            sums[name] = float(value)
-    return sums
+FIRST_TOKEN_SERIES = [f"{name}_{part}" for name in FIRST_TOKEN for part in ("sum", "count")]
 
 
 def first_token_split(before: dict[str, float], after: dict[str, float]) -> str:
@@ -220,10 +208,10 @@ def served(args) -> tuple[list[tuple], tuple[float, float, float], str]:
         server.wait_ready()
         bench.warm_up(server)
         skip = len(read_trace(trace))  # the warm-up's steps
-        before = first_token_sums(server.url)
+        before = bench.metric_sums(server.url, FIRST_TOKEN_SERIES)
         with CoreUse(server.process.pid) as cores:
             result = bench.run_guidellm(bench.guidellm_command(), server, ns, load, logdir / "report.json")[0]
-        split = first_token_split(before, first_token_sums(server.url))
+        split = first_token_split(before, bench.metric_sums(server.url, FIRST_TOKEN_SERIES))
     finally:
         server.stop()
     summary = f"{result['tok_s']:.0f} tok/s, TTFT median {result['ttft_ms']:.0f} ms ({split})"

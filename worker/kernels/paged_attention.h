@@ -300,11 +300,11 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
         if (c0 + AHEAD * CHUNK < w->hi) prefetch(w->k + t + AHEAD * CHUNK, head0, lines);
         prefetch(w->v + t, head0, lines);  /* read after every score: by then they are in the caches */
         const int64_t lanes = __builtin_popcount(sharing) * per_head;
-        if (lanes >= LANES_FROM && sharing != transposed) {
-          transpose_queries(qt, q, q_stride, b0, sharing, Q, shared, D, group, g0, sets);
-          transposed = sharing;
-        }
         if (lanes >= LANES_FROM) {
+          if (sharing != transposed) {
+            transpose_queries(qt, q, q_stride, b0, sharing, Q, shared, D, group, g0, sets);
+            transposed = sharing;
+          }
           if (sharing == every_row && together == c0) together += CHUNK;
           for (int64_t g = 0; g < group; g++) {
             /* Lane l of set s: the (16 s + l)th query head of the rows sharing the chunk, in row order,
