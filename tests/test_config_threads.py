@@ -1,11 +1,19 @@
-"""--cpu-threads: passed through to the engine's settings, validated there; serve's defaults."""
+"""--cpu-threads: passed through to the engine's settings, validated there; serve's defaults (those of a
+step of one prompt alone among them)."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from worker.cli import SPIN_BEFORE_SLEEP, build_parser, default_cpu_threads, engine_config, main
+from worker.cli import (
+    SPIN_BEFORE_SLEEP,
+    build_parser,
+    default_cpu_threads,
+    default_prompt_threads,
+    engine_config,
+    main,
+)
 from worker.config import EngineConfig
 
 
@@ -14,15 +22,18 @@ def test_cpu_threads_flag_reaches_the_config(monkeypatch):
     assert engine_config(build_parser().parse_args(["profile", "--cpu-threads", "3"])).cpu_threads == 3
 
 
-def test_cpu_threads_below_one_is_refused():
+def test_cpu_threads_below_one_are_refused():
     with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
         EngineConfig(cpu_threads=0)
+    with pytest.raises(ValueError, match="cpu_prompt_threads must be >= 1"):
+        EngineConfig(cpu_prompt_threads=0)
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 2), (64, 63)])
 def test_a_step_leaves_one_core_to_the_servers_own_threads(monkeypatch, cores, threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert default_cpu_threads(cores) == threads
+    assert default_prompt_threads(cores) == cores  # nothing streams beside a step of one prompt alone
 
 
 def test_serve_and_profile_take_every_core_but_one_unless_told(monkeypatch):
@@ -30,10 +41,13 @@ def test_serve_and_profile_take_every_core_but_one_unless_told(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
     for command in ("serve", "profile"):
-        assert engine_config(parser.parse_args([command])).cpu_threads == max(1, cores - 1)
-        assert engine_config(parser.parse_args([command, "--cpu-threads", "3"])).cpu_threads == 3
+        config = engine_config(parser.parse_args([command]))
+        assert (config.cpu_threads, config.cpu_prompt_threads) == (max(1, cores - 1), cores)
+        config = engine_config(parser.parse_args([command, "--cpu-threads", "3"]))
+        assert (config.cpu_threads, config.cpu_prompt_threads) == (3, None)  # every step's, prompts' too
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the operator's: torch reads it
-        assert engine_config(parser.parse_args([command])).cpu_threads is None
+        config = engine_config(parser.parse_args([command]))
+        assert (config.cpu_threads, config.cpu_prompt_threads) == (None, None)
         monkeypatch.delenv("OMP_NUM_THREADS")
 
 

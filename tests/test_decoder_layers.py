@@ -195,3 +195,20 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_on_torchs(checkpoints, 
     assert fused.threads([decode]) == 6
     monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", work + 1)
     assert fused.threads([decode]) == 1
+
+
+@needs_kernel
+def test_a_large_step_of_one_prompt_alone_runs_on_its_threads(checkpoints, monkeypatch):
+    model = load_model(checkpoints["llama"], torch.float32, CPU)
+    fused = model.fused_forward
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
+    prompt = build_paged_batch([[7] * 20], [0], TABLES[:1], BLOCK, 1, CPU)
+    work = prompt.input_ids.numel() * (fused.token_work + fused.position_work * prompt.gather_slots.shape[1])
+    monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", work)
+    fused.alone_threads = 8  # as ModelRunner.prompt_alone sets it
+    assert fused.threads([prompt]) == 8
+    monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", work + 1)
+    assert fused.threads([prompt]) == 1  # a small step still runs on one
+    fused.alone_threads = None
+    monkeypatch.setattr(decoder_forward, "ONE_THREAD_WORK", work)
+    assert fused.threads([prompt]) == 6

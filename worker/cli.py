@@ -46,7 +46,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads of a step on the CPU (default: OMP_NUM_THREADS when set, else every core but "
-                        "one, left to the server's HTTP and tokenizer threads); small steps run on one")
+                        "one, left to the server's HTTP and tokenizer threads, and every core for a step that "
+                        "prefills one prompt with no other request in it); small steps run on one")
     p.add_argument("--compile", action="store_true",
                    help="compile both models with torch.compile (inductor) at startup (minutes); the "
                         "ledger's `compiled` entry holds what it costs. Not faster on the CPU so far "
@@ -76,6 +77,14 @@ def default_cpu_threads(cores: int | None = None) -> int | None:
     return max(1, cores - 1)
 
 
+def default_prompt_threads(cores: int | None = None) -> int | None:
+    """The threads of a step of one prompt alone (ModelRunner.prompt_alone) when --cpu-threads is not
+    given: every core, None (torch's own) where OMP_NUM_THREADS is set."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return usable_cores() if cores is None else cores
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, draft_model=None if args.no_draft else args.draft_model,
@@ -85,7 +94,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
         block_size=args.block_size,
-        cpu_threads=default_cpu_threads() if args.cpu_threads is None else args.cpu_threads, compile=args.compile,
+        cpu_threads=default_cpu_threads() if args.cpu_threads is None else args.cpu_threads,
+        cpu_prompt_threads=default_prompt_threads() if args.cpu_threads is None else None, compile=args.compile,
         compile_backend=args.compile_backend)
 
 

@@ -38,6 +38,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; overrides memory_utilization
     seed: int = 0
     cpu_threads: int | None = None  # threads of a step on the CPU; None: torch's own (every core)
+    # Threads of a step of one prompt alone (no other request in it) on the CPU; None: cpu_threads'.
+    cpu_prompt_threads: int | None = None
     compile: bool = False  # torch.compile both models at startup (worker/models/compiled.py)
     compile_backend: str = "inductor"  # one of COMPILE_BACKENDS
 
@@ -59,6 +61,7 @@ class EngineConfig:
                    "memory_utilization must be in (0, 1]")
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1")
+        _check(self.cpu_prompt_threads is None or self.cpu_prompt_threads >= 1, "cpu_prompt_threads must be >= 1")
         _check(self.compile_backend in COMPILE_BACKENDS,
                f"compile_backend must be one of {COMPILE_BACKENDS}, not {self.compile_backend!r}")
 

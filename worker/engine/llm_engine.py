@@ -1,6 +1,7 @@
 """The engine: step() = schedule -> propose -> verify -> sample -> account."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -60,6 +61,8 @@ class LLMEngine:
                                      f"target's {target.config.vocab_size}")
             config.resolve_lengths(target.config.max_position_embeddings, self.device.kind)
             self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
+            if self.device.kind == "cpu" and config.cpu_prompt_threads not in (None, config.cpu_threads):
+                self.runner.prompt_threads = config.cpu_prompt_threads  # before the profile: it measures them
             bar.set_postfix_str("building matmul kernels")
             # They stay in oneDNN's cache for the process's life: what it grew by is theirs.
             self.ledger.record("kernels", measure_held(self.device, self.runner.warm_kernels))
@@ -156,7 +159,11 @@ class LLMEngine:
         if batch is None:
             return []
         if not batch.decode:
-            return self._postprocess(*self._plain(batch.prefill, batch.chunks, []))
+            # One prompt alone: its client waits for its first token and nobody's tokens go out beside
+            # it. A burst of prompts comes from clients that may still be sending (and take a core).
+            with self.runner.prompt_alone() if len(batch.prefill) == 1 else contextlib.nullcontext():
+                computed = self._plain(batch.prefill, batch.chunks, [])
+            return self._postprocess(*computed)
         # A seeded sampled request draws its random numbers per proposal: it keeps one k (K) so its
         # text depends on the seed only, never on the load.
         seeded = any(s.params.seed is not None and not s.params.greedy for s in batch.decode)

@@ -5,7 +5,14 @@ from collections.abc import Callable
 
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
-from worker.engine.profile_run import block_index, profile_blocks, request_states, run_varied, run_worst_case
+from worker.engine.profile_run import (
+    block_index,
+    profile_blocks,
+    request_states,
+    run_prompt_alone,
+    run_varied,
+    run_worst_case,
+)
 from worker.memory.device import Device
 from worker.memory.ledger import Ledger
 from worker.memory.plan import (
@@ -36,6 +43,7 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     runner.allocate_kv_cache(profile_blocks(c))
     with profile_window(device) as window:
         run_worst_case(runner, c)
+        run_prompt_alone(runner, c)
         window.mark()
         run_varied(runner, c)  # untrimmed, as serving runs: what the allocator cannot reuse
         runner.workspace.clear()  # serving grows it again, never past this run: an activation

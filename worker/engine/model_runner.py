@@ -1,7 +1,8 @@
 """Target and draft models, their KV caches, and one batched forward over block tables."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -22,6 +23,7 @@ class ModelRunner:
         self.kv: dict[str, torch.Tensor] = {}
         self.workspace = GatherWorkspace()
         self.run = dict(self.models)  # what forward() calls per model: the model, or it compiled
+        self.prompt_threads: int | None = None  # those of a step of one prompt alone; None: torch's
 
     def on_compute(self, hook: Callable[[], None]) -> None:
         """hook() is called as a forward's one-call kernel starts, its inputs built and the GIL about to
@@ -31,6 +33,21 @@ class ModelRunner:
         for model in self.models.values():
             if model.fused_forward is not None:
                 model.fused_forward.on_launch = hook
+
+    @contextmanager
+    def prompt_alone(self) -> Iterator[None]:
+        """The forwards of a step of one prompt alone (no other request in it) run on prompt_threads
+        where the one-call forward takes them (the CPU's): its client waits for its first token and no
+        stream's tokens go out beside it, so the core the other steps leave to the server's threads and
+        a client (cli.py) would sit idle."""
+        fused = [model.fused_forward for model in self.models.values() if model.fused_forward is not None]
+        for forward in fused:
+            forward.alone_threads = self.prompt_threads
+        try:
+            yield
+        finally:
+            for forward in fused:
+                forward.alone_threads = None
 
     def bytes_per_block(self, name: str | None = None) -> int:
         """KV bytes one block holds for one model, or for all of them."""

@@ -58,10 +58,7 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
 
     for rows, width, start in prefill_shapes(runner, config, longest):
         beside = min(batch or config.max_num_seqs, config.max_num_seqs - rows)
-        decoding = [([[1]] * beside, [longest - 1] * beside, [table] * beside, 1, False)] if beside else []
-        runner.forward_parts("target", [([[1] * width] * rows, [start] * rows, [table] * rows, 1, True), *decoding])
-        if "draft" in runner.models:
-            runner.forward("draft", [[1] * width] * rows, [start] * rows, [table] * rows, 0, prefill=True)
+        prefill_step(runner, rows, width, start, table, beside, longest)
 
     # Decode: every sequence at the longest context, k draft steps then k+1 verified positions.
     B = batch or config.max_num_seqs
@@ -85,6 +82,29 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
         drafts.append(d)
     logits = runner.forward("target", [[1] * (k + 1)] * B, [start] * B, [table] * B, k + 1)
     verify_logits(torch.stack(drafts, 1), torch.stack(draft_probs, 1), logits, rp)
+
+
+def prefill_step(runner: ModelRunner, rows: int, width: int, start: int, table: list[int], beside: int = 0,
+                 longest: int = 0) -> None:
+    """A step's prefill: `rows` chunks of `width` tokens from `start` (the draft's too), and `beside`
+    rows decoding at position longest - 1 in the target's forward."""
+    decoding = [([[1]] * beside, [longest - 1] * beside, [table] * beside, 1, False)] if beside else []
+    runner.forward_parts("target", [([[1] * width] * rows, [start] * rows, [table] * rows, 1, True), *decoding])
+    if "draft" in runner.models:
+        runner.forward("draft", [[1] * width] * rows, [start] * rows, [table] * rows, 0, prefill=True)
+
+
+@torch.inference_mode()
+def run_prompt_alone(runner: ModelRunner, config: EngineConfig) -> None:
+    """The prefill steps again with no row decoding beside them on the threads of a step of one
+    prompt alone (ModelRunner.prompt_alone), each of whose scratch then counts. Nothing to run where
+    those are the other steps' threads."""
+    if runner.prompt_threads is None:
+        return
+    table = list(range(profile_blocks(config)))
+    with runner.prompt_alone():
+        for rows, width, start in prefill_shapes(runner, config, config.max_model_len):
+            prefill_step(runner, rows, width, start, table)
 
 
 VARIED_ROUNDS = 3  # with one round the real peak passed the budget by up to 0.5% (docs/ledger.md)

@@ -53,6 +53,9 @@ class DecoderForward:
         # server's event loop): served on both of 2 cores with a client beside, that work beside every
         # kernel made 8 rows' decode steps wait for cores, 6.3 ms (1.9 waiting) against 4.0 without.
         self.on_launch: Callable[[], None] | None = None
+        # A large step's threads while the engine runs a step of one prompt alone (None: torch's), set
+        # by ModelRunner.prompt_alone.
+        self.alone_threads: int | None = None
 
     @staticmethod
     def fits(model) -> bool:
@@ -98,8 +101,8 @@ class DecoderForward:
                                               self.on_launch if threads < CORES else None)
 
     def threads(self, batches: list[PagedBatch]) -> int:
-        """One thread for a small step, else torch's: by the step's multiply-adds, each token over the
-        widest row's context."""
+        """One thread for a small step, else torch's, or a step of one prompt alone's: by the step's
+        multiply-adds, each token over the widest row's context."""
         work = sum(b.input_ids.numel() * (self.token_work + self.position_work * b.gather_slots.shape[1])
                    for b in batches)
-        return 1 if work < ONE_THREAD_WORK else torch.get_num_threads()
+        return 1 if work < ONE_THREAD_WORK else self.alone_threads or torch.get_num_threads()
