@@ -2,6 +2,8 @@
 the engine's; the memory profile runs prefill steps on them too, and the text does not change."""
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 
@@ -40,31 +42,29 @@ def engine(checkpoints, prompt_threads: int | None) -> LLMEngine:
 
 
 def serve(engine: LLMEngine, seen: list[int]) -> tuple[list[set[int]], list[list[int]]]:
-    """The threads of three first steps: a prompt alone, a prompt beside it decoding, two prompts that
-    arrive together at an idle engine; and every request's tokens."""
-    steps, tokens = [], {}
+    """The threads of three steps: a prompt alone, a prompt beside it decoding, two prompts that arrive
+    together at an idle engine; and every request's tokens."""
+    tokens: dict[str, list[int]] = defaultdict(list)
 
-    def step() -> None:
+    def step() -> set[int]:
         seen.clear()
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-        steps.append(set(seen))
+        return set(seen)
+
+    def to_the_end() -> None:
+        while engine.has_unfinished_requests():
+            step()
 
     ids = [engine.add_request(PROMPTS[0], GREEDY)]
-    tokens[ids[0]] = []
-    step()
+    alone = step()
     ids.append(engine.add_request(PROMPTS[1], GREEDY))
-    tokens[ids[1]] = []
-    step()
-    while engine.has_unfinished_requests():
-        step()
+    beside = step()
+    to_the_end()
     ids += [engine.add_request(p, GREEDY) for p in PROMPTS[2:]]
-    tokens.update({i: [] for i in ids[2:]})
-    del steps[2:]
-    step()
-    while engine.has_unfinished_requests():
-        step()
-    return steps[:3], [tokens[i] for i in ids]
+    burst = step()
+    to_the_end()
+    return [alone, beside, burst], [tokens[i] for i in ids]
 
 
 @needs_kernel

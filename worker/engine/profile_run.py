@@ -96,9 +96,9 @@ def prefill_step(runner: ModelRunner, rows: int, width: int, start: int, table: 
 
 @torch.inference_mode()
 def run_prompt_alone(runner: ModelRunner, config: EngineConfig) -> None:
-    """The prefill steps again with no row decoding beside them on the threads of a step of one
-    prompt alone (ModelRunner.prompt_alone), each of whose scratch then counts. Nothing to run where
-    those are the other steps' threads."""
+    """The prefill steps again with no row decoding beside them, on the threads of a step of one
+    prompt alone (ModelRunner.prompt_alone): the scratch of every one of those threads counts.
+    Nothing to run where they are the other steps' threads."""
     if runner.prompt_threads is None:
         return
     table = list(range(profile_blocks(config)))
