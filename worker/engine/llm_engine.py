@@ -159,8 +159,8 @@ class LLMEngine:
         if batch is None:
             return []
         if not batch.decode:
-            # One prompt alone: its client waits for its first token and nobody's tokens go out beside
-            # it. A burst of prompts comes from clients that may still be sending (and take a core).
+            # One prompt alone gets its own threads (ModelRunner.prompt_alone says why); a burst of
+            # prompts comes from clients that may still be sending, which take a core.
             with self.runner.prompt_alone() if len(batch.prefill) == 1 else contextlib.nullcontext():
                 computed = self._plain(batch.prefill, batch.chunks, [])
             return self._postprocess(*computed)
