@@ -219,15 +219,14 @@ def served(args) -> tuple[list[tuple], tuple[float, float, float], str]:
 
 
 def alone(args, runs: int) -> list[tuple]:
-    from worker.cli import default_cpu_threads, default_prompt_threads  # the served steps' threads
+    from worker.cli import thread_settings  # the served steps' threads
     from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
     from worker.engine.llm_engine import LLMEngine
     from worker.engine.sampling_params import SamplingParams
 
     draft = DEFAULT_DRAFT_MODEL if args.draft else None
     engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, draft_model=draft, max_num_seqs=8, max_model_len=2048,
-                                    speculation="adaptive", cpu_threads=default_cpu_threads(),
-                                    cpu_prompt_threads=default_prompt_threads()))
+                                    speculation="adaptive", **thread_settings(None)))
     rows: list[tuple] = []
     trace_steps(engine, lambda *fields: rows.append(fields))
     # Words, as guidellm's prompts are: the engine's own source.

@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import TypedDict
 
 from vramledger.units import parse_size  # its SizeError is an ArgumentTypeError too
 from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig, usable_cores
@@ -64,25 +65,37 @@ def add_waiting_flag(p: argparse.ArgumentParser) -> None:
                         "`server` entry holds max-num-seqs + N requests in flight")
 
 
-def default_cpu_threads(cores: int | None = None) -> int | None:
-    """A step's threads when --cpu-threads is not given: None (torch's own) where OMP_NUM_THREADS is
-    set, else every core but one. The server's own threads (HTTP, tokenizers) and a client on the
-    host need a core; one that preempts a step's thread stalls the others at its next barrier, so
-    on 2 cores one thread served as fast as two or faster (docs/engine.md). vLLM's CPU build
-    reserves a core too."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    if cores is None:
-        cores = usable_cores()
-    return max(1, cores - 1)
-
-
 def default_prompt_threads(cores: int | None = None) -> int | None:
     """The threads of a step of one prompt alone (ModelRunner.prompt_alone) when --cpu-threads is not
     given: every core, None (torch's own) where OMP_NUM_THREADS is set."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     return usable_cores() if cores is None else cores
+
+
+def default_cpu_threads(cores: int | None = None) -> int | None:
+    """A step's threads when --cpu-threads is not given: None (torch's own) where OMP_NUM_THREADS is
+    set, else every core but one. The server's own threads (HTTP, tokenizers) and a client on the
+    host need a core; one that preempts a step's thread stalls the others at its next barrier, so
+    on 2 cores one thread served as fast as two or faster (docs/engine.md). vLLM's CPU build
+    reserves a core too."""
+    every = default_prompt_threads(cores)
+    return None if every is None else max(1, every - 1)
+
+
+class ThreadSettings(TypedDict):
+    """EngineConfig's thread fields."""
+
+    cpu_threads: int | None
+    cpu_prompt_threads: int | None
+
+
+def thread_settings(cpu_threads: int | None) -> ThreadSettings:
+    """EngineConfig's cpu_threads and cpu_prompt_threads for --cpu-threads (None: the defaults; a
+    number sets every step's threads, a prompt alone's too)."""
+    if cpu_threads is not None:
+        return {"cpu_threads": cpu_threads, "cpu_prompt_threads": None}
+    return {"cpu_threads": default_cpu_threads(), "cpu_prompt_threads": default_prompt_threads()}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -94,9 +107,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
         block_size=args.block_size,
-        cpu_threads=default_cpu_threads() if args.cpu_threads is None else args.cpu_threads,
-        cpu_prompt_threads=default_prompt_threads() if args.cpu_threads is None else None, compile=args.compile,
-        compile_backend=args.compile_backend)
+        **thread_settings(args.cpu_threads), compile=args.compile, compile_backend=args.compile_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:
