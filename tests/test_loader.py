@@ -105,3 +105,24 @@ def test_checkpoint_that_does_not_match_is_refused(tmp_path, qwen2_shaped):
     save_file(state, bad / "model.safetensors")
     with pytest.raises(ModelLoadError, match="k_proj.weight has shape"):
         load_model(str(bad), torch.float32, CPU)
+
+
+def test_a_draft_tokenizer_is_compared_by_its_files_then_by_loading_it(checkpoints, tmp_path):
+    """Byte-identical tokenizer files need no second load; a draft whose tokenizer differs is still refused."""
+    import json
+    import shutil
+
+    from worker.config import EngineConfig
+    from worker.engine.llm_engine import check_same_tokenizer
+    from worker.models.loader import load_tokenizer, same_tokenizer_files
+
+    target, draft = checkpoints["llama"], checkpoints["llama-draft"]
+    assert same_tokenizer_files(target, draft)
+    other = shutil.copytree(draft, tmp_path / "other-vocab")
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["zzz-added"] = len(spec["model"]["vocab"])  # a vocabulary of its own
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    assert not same_tokenizer_files(target, str(other))
+    with pytest.raises(ModelLoadError, match="differs from the target"):
+        check_same_tokenizer(load_tokenizer(target), EngineConfig(model=target, draft_model=str(other)))
+    check_same_tokenizer(load_tokenizer(target), EngineConfig(model=target, draft_model=draft))

@@ -1,6 +1,7 @@
 """/metrics and /v1/memory of the real server: promtool, values that follow requests (names and types:
 test_metrics_catalogue.py)."""
 import json
+import re
 import socket
 import subprocess
 import time
@@ -8,6 +9,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import metric_value
 
 GREEDY = {"model": "llama-chat", "temperature": 0, "ignore_eos": True}
@@ -169,3 +171,23 @@ def test_client_disconnect_while_waiting_for_a_whole_completion_frees_blocks(spe
         assert time.monotonic() < deadline, "KV blocks were not freed after the client left"
         time.sleep(0.1)
     assert metric_value(text, "vramledger_requests_total", 'finish_reason="abort"') == aborted_before + 4
+
+
+def test_start_up_phases_are_logged_and_published(spec_server):
+    """Each phase the log shows ending is published with the seconds the log gives (a phase logged twice,
+    the server's and the engine's tokenizer, adds up), and no phase is published that the log lacks."""
+    published = {s.labels["phase"]: s.value for f in text_string_to_metric_families(scrape(spec_server))
+                 for s in f.samples if s.name == "vramledger_startup_seconds"}
+    log = spec_server.log_path.read_text()
+    logged: dict[str, float] = {}
+    for phase, seconds in re.findall(r"start-up: (\w+) done in ([0-9.]+) s", log):
+        assert f"start-up: {phase} ..." in log
+        logged[phase] = logged.get(phase, 0.0) + float(seconds)
+    assert set(published) == set(logged) == {"server", "imports", "tokenizer", "weights_target", "weights_draft",
+                                             "kernels", "memory_profile", "kv_cache"}
+    for phase, seconds in logged.items():
+        assert published[phase] == pytest.approx(seconds, abs=0.02), phase
+    # The engine's phases run one after another, in the order the engine needs them.
+    order = [phase for phase in re.findall(r"start-up: (\w+) \.\.\.", log) if phase != "server"]
+    assert order == ["imports", "tokenizer", "tokenizer", "weights_target", "weights_draft", "kernels",
+                     "memory_profile", "kv_cache"]

@@ -161,20 +161,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_profile(args: argparse.Namespace) -> int:
     import json
-    from functools import partial
 
-    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.startup import StartupPhases
     from worker.http.prompt_encoder import PromptEncoder
-    from worker.http.request_state import requests_in_flight
     from worker.http.settings import ServerSettings
-    from worker.memory.ledger import format_table, plot
+    from worker.http.state import load_engine
 
     config = engine_config(args)  # the ledger `serve` would declare, its requests in flight included
     encoder = PromptEncoder()
-    encoder.load(config.model)
-    settings = ServerSettings(max_waiting=args.max_waiting)
-    engine = LLMEngine(config, partial(requests_in_flight, config, settings, encoder))
+    engine = load_engine(config, ServerSettings(max_waiting=args.max_waiting), encoder, None, StartupPhases())
     encoder.shutdown()
+    from worker.memory.ledger import format_table, plot  # after the timed imports: it loads torch
+
     if args.json:
         print(json.dumps(engine.memory_report(), indent=2))
     else:

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from tqdm import tqdm
 
 from worker.config import EngineConfig
 from worker.engine.block_manager import BlockManager
@@ -24,11 +23,12 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.spec_decode import verify_logits
 from worker.engine.speculation import CATCH_UP_AFTER, speculation_policy
+from worker.engine.startup import StartupPhases
 from worker.memory.device import get_device
 from worker.memory.ledger import Ledger, format_table, summary_line
 from worker.memory.profiler import collecting_only_new_objects, measure_held, measure_weights
 from worker.models.llama import CausalLM
-from worker.models.loader import ModelLoadError, load_config, load_model, load_tokenizer
+from worker.models.loader import ModelLoadError, load_config, load_model, load_tokenizer, same_tokenizer_files
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,14 +48,15 @@ class LLMEngine:
             torch.set_num_threads(config.cpu_threads)
         for path in filter(None, (config.model, config.draft_model)):
             load_config(path)  # a bad path or architecture fails before anything is loaded
-        self.tokenizer = load_tokenizer(config.model)
-        if config.draft_model:
-            check_same_tokenizer(self.tokenizer, load_tokenizer(config.draft_model), config)
+        self.startup = StartupPhases()  # each phase logged; the server publishes them once it serves
+        with self.startup.phase("tokenizer"):
+            self.tokenizer = load_tokenizer(config.model)
+            if config.draft_model:
+                check_same_tokenizer(self.tokenizer, config)
         self.ledger = Ledger.at_start(self.device, config.model, config.draft_model)
-        stages = 4 + bool(config.draft_model) + config.compile
-        with tqdm(total=stages, desc="startup", unit="stage", disable=None) as bar, collecting_only_new_objects():
-            target = self._load("target", config.model, bar)
-            draft = self._load("draft", config.draft_model, bar) if config.draft_model else None
+        with collecting_only_new_objects():
+            target = self._load("target", config.model)
+            draft = self._load("draft", config.draft_model) if config.draft_model else None
             if draft is not None and draft.config.vocab_size != target.config.vocab_size:
                 raise ModelLoadError(f"draft vocab_size {draft.config.vocab_size} differs from the "
                                      f"target's {target.config.vocab_size}")
@@ -63,25 +64,21 @@ class LLMEngine:
             self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
             if self.device.kind == "cpu" and config.cpu_prompt_threads not in (None, config.cpu_threads):
                 self.runner.prompt_threads = config.cpu_prompt_threads  # before the profile: it measures them
-            bar.set_postfix_str("building matmul kernels")
-            # They stay in oneDNN's cache for the process's life: what it grew by is theirs.
-            self.ledger.record("kernels", measure_held(self.device, self.runner.warm_kernels))
-            bar.update()
+            with self.startup.phase("kernels"):
+                # They stay in oneDNN's cache for the process's life: what it grew by is theirs.
+                self.ledger.record("kernels", measure_held(self.device, self.runner.warm_kernels))
             self.ledger.record("compiled", 0)
             if config.compile:  # before the profile, so that it measures compiled steps
-                bar.set_postfix_str("compiling (minutes)")
-                self.ledger.record("compiled", measure_held(self.device,
-                                                            lambda: self.runner.compile(config.compile_backend)))
-                bar.update()
-            bar.set_postfix_str("profiling")
+                with self.startup.phase("compile"):
+                    self.ledger.record("compiled", measure_held(
+                        self.device, lambda: self.runner.compile(config.compile_backend)))
             held_by_server = None if server_state is None else functools.partial(
                 server_state, self.tokenizer, self.device.torch_device)
-            self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer,
-                                          held_by_server)
-            bar.update()
-            bar.set_postfix_str("allocating the KV cache")
-            self.runner.allocate_kv_cache(self.num_blocks)
-            bar.update()
+            with self.startup.phase("memory_profile"):
+                self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer,
+                                              held_by_server)
+            with self.startup.phase("kv_cache"):
+                self.runner.allocate_kv_cache(self.num_blocks)
         log.info(summary_line(self.ledger))
         log.debug("memory ledger:\n%s", format_table(self.ledger))
         self.blocks = BlockManager(self.num_blocks, config.block_size, config.prefix_caching)
@@ -106,13 +103,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self._last_rows: tuple[list[Sequence], RowParams] | None = None
 
-    def _load(self, role: str, path: str, bar) -> CausalLM:
-        bar.set_postfix_str(f"loading the {role} model")
+    def _load(self, role: str, path: str) -> CausalLM:
         pack = not self.config.compile  # inductor packs plain weights itself (compiled.py)
         device = self.device.torch_device
-        model, nbytes = measure_weights(self.device, lambda: load_model(path, self.dtype, device, pack))
+        with self.startup.phase(f"weights_{role}"):
+            model, nbytes = measure_weights(self.device, lambda: load_model(path, self.dtype, device, pack))
         self.ledger.record("weights", nbytes, model=role)
-        bar.update()
         return model
 
     def memory_report(self) -> dict:
@@ -398,7 +394,12 @@ def eos_ids(tokenizer, model_config) -> set[int]:
     return ids
 
 
-def check_same_tokenizer(target_tok, draft_tok, config: EngineConfig) -> None:
+def check_same_tokenizer(target_tok, config: EngineConfig) -> None:
+    """The draft's tokenizer must be the target's: same files need no second load to compare."""
+    assert config.draft_model is not None
+    if same_tokenizer_files(config.model, config.draft_model):
+        return
+    draft_tok = load_tokenizer(config.draft_model)
     if target_tok.get_vocab() != draft_tok.get_vocab() or target_tok.eos_token_id != draft_tok.eos_token_id:
         raise ModelLoadError(f"the draft model's tokenizer ({config.draft_model}) differs from the "
                              f"target's ({config.model}); speculative decoding needs the same tokenizer "

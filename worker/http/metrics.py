@@ -57,10 +57,11 @@ class EngineCollector(Collector):
     """Builds the ledger and engine metrics fresh on each scrape; nothing while the engine loads."""
 
     def __init__(self, engine: Callable[[], LLMEngine | None], pending: Callable[[], int],
-                 info: Callable[[], ServingInfo | None]):
+                 info: Callable[[], ServingInfo | None], startup: Callable[[], dict[str, float]]):
         self._engine = engine  # None while loading
         self._pending = pending  # requests handed to the engine thread but not yet in its queue
         self._info = info
+        self._startup = startup  # seconds per start-up phase
         self._failed: set[str] = set()
 
     def collect(self) -> Iterator[Metric]:
@@ -69,7 +70,7 @@ class EngineCollector(Collector):
             return
         # Each source on its own: a failing ledger read must not hide the queue gauges.
         for source in (self._ledger, self._kv_cache, self._queues, self._counters, self._speculation,
-                       self._serving_info):
+                       self._serving_info, self._startup_phases):
             try:
                 yield from list(source(engine))
             except Exception:  # a scrape never fails as a whole
@@ -156,6 +157,15 @@ class EngineCollector(Collector):
                                    labels=("model", "draft_model", "device", "num_speculative_tokens", "version"))
         family.add_metric((info.model, info.draft_model, info.device, str(info.num_speculative_tokens),
                            info.version), 1)
+        yield family
+
+
+    def _startup_phases(self, engine: LLMEngine) -> Iterator[Metric]:
+        family = GaugeMetricFamily("vramledger_startup_seconds", "Seconds each start-up phase took (imports, "
+                                   "tokenizer, weights per model, kernels, memory profile, KV cache, server).",
+                                   labels=("phase",))
+        for phase, seconds in self._startup().items():
+            family.add_metric((phase,), seconds)
         yield family
 
 

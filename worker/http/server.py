@@ -46,6 +46,7 @@ def create_app(config: EngineConfig, settings: ServerSettings | None = None,
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI):
     state: ServerState = app.state.server
+    state.startup.end("server")  # uvicorn listens once the app has started
     state.engine_loop.start(asyncio.get_running_loop())
     yield
     state.engine_loop.stop(ENGINE_STOP_GRACE)

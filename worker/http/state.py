@@ -17,6 +17,7 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
 from worker.config import EngineConfig
+from worker.engine.startup import StartupPhases, merged
 from worker.http.drain import Drain
 from worker.http.engine_loop import EngineLoop
 from worker.http.errors import APIError
@@ -43,6 +44,7 @@ class ServerState:
     encoder: PromptEncoder
     engine_loop: EngineLoop
     drain: Drain
+    startup: StartupPhases  # the server's own phases; its engine keeps its own (LLMEngine.startup)
     started: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
 
     @classmethod
@@ -53,12 +55,15 @@ class ServerState:
         # injected for this): /metrics shows this app's metrics only, and apps never collide.
         registry = CollectorRegistry()
         encoder = PromptEncoder()
-        load = functools.partial(load_engine, config, settings, encoder, engine_factory)
+        startup = StartupPhases()
+        startup.begin("server")  # ends as the HTTP server starts the app (server.lifespan)
+        load = functools.partial(load_engine, config, settings, encoder, engine_factory, startup)
         engine_loop = EngineLoop(load, RequestMetrics(registry) if settings.metrics else None)
         state = cls(config, settings, served_name(config, settings), package_version(), registry, encoder,
-                    engine_loop, Drain(engine_loop, settings.drain_timeout))
+                    engine_loop, Drain(engine_loop, settings.drain_timeout), startup)
         if settings.metrics:
-            registry.register(EngineCollector(state.serving_engine, engine_loop.num_pending, state.serving_info))
+            registry.register(EngineCollector(state.serving_engine, engine_loop.num_pending, state.serving_info,
+                                              state.startup_seconds))
         return state
 
     @property
@@ -95,21 +100,30 @@ class ServerState:
         """The engine the metrics read: None while it loads or after it failed."""
         return self.engine_loop.engine if self.engine_loop.ready else None
 
+    def startup_seconds(self) -> dict[str, float]:
+        """Seconds per start-up phase, the server's and its engine's."""
+        engine_phases = getattr(self.engine_loop.engine, "startup", None)  # an engine factory's may have none
+        return merged([self.startup, *([engine_phases] if engine_phases is not None else [])])
+
     def serving_info(self) -> ServingInfo | None:
         engine = self.engine_loop.engine
         return None if engine is None else ServingInfo.of(engine, self.model_name, self.version)
 
 
 def load_engine(config: EngineConfig, settings: ServerSettings, encoder: PromptEncoder,
-                engine_factory: EngineFactory | None) -> LLMEngine:
-    """On the engine thread: the server's tokenizer, then the engine (an LLMEngine unless a factory is
-    given) with the requests the server may hold in flight in its ledger."""
-    encoder.load(config.model)
+                engine_factory: EngineFactory | None, startup: StartupPhases) -> LLMEngine:
+    """On the engine thread: the engine's libraries, the server's tokenizer, then the engine (an LLMEngine
+    unless a factory is given) with the requests the server may hold in flight in its ledger."""
+    with startup.phase("imports"):  # torch, transformers and the models: the HTTP side never needs them
+        from worker.engine.llm_engine import LLMEngine
+        from worker.http.request_state import requests_in_flight
+        from worker.models.loader import import_tokenizers
+
+        import_tokenizers()
+    with startup.phase("tokenizer"):
+        encoder.load(config.model)
     if engine_factory is not None:
         return engine_factory(config)
-    from worker.engine.llm_engine import LLMEngine
-    from worker.http.request_state import requests_in_flight
-
     return LLMEngine(config, functools.partial(requests_in_flight, config, settings, encoder))
 
 

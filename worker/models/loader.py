@@ -156,6 +156,31 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, pack: bool =
     return model.eval().requires_grad_(False)
 
 
+# What a fast tokenizer is built from: the model in tokenizer.json, its special tokens in the others.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def same_tokenizer_files(path: str, other: str) -> bool:
+    """Whether two checkpoints hold byte-identical fast-tokenizer files (both with a tokenizer.json), so
+    that they load the same tokenizer. False says nothing: the tokenizers may still be alike."""
+    a, b = Path(path), Path(other)
+    if not ((a / "tokenizer.json").is_file() and (b / "tokenizer.json").is_file()):
+        return False
+    for name in TOKENIZER_FILES:
+        fa, fb = a / name, b / name
+        if fa.is_file() != fb.is_file() or (fa.is_file() and fa.read_bytes() != fb.read_bytes()):
+            return False
+    return True
+
+
+def import_tokenizers() -> None:
+    """Import what loading a tokenizer and a config needs (transformers loads its parts on first use),
+    so that start-up times the imports apart from the loads."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    del AutoConfig, AutoTokenizer
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
