@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{SHUTDOWN_MARGIN:.0f} (docs/kubernetes.md)")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name the API answers to and reports (default: the model directory's name)")
+    serve.add_argument("--log-probes", action="store_true",
+                       help="write GET /health and GET /metrics to the access log too (left out by default: "
+                            "a probe every few seconds buries the requests)")
     serve.set_defaults(run=run_serve)
 
     prof = sub.add_parser("profile", help="load, profile, print the memory ledger, exit")

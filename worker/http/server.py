@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from worker.config import EngineConfig
+from worker.http.access_log import quiet_probes
 from worker.http.drain import DrainGate, DrainingServer
 from worker.http.error_handlers import CrashBarrier, install_error_handlers
 from worker.http.guard import Guard
@@ -78,5 +79,7 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     state.engine_loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
     log.info("serving %s on http://%s:%d (draft: %s)", state.model_name, args.host, args.port,
              config.draft_model or "none")
+    if not args.log_probes:
+        quiet_probes()
     server.run()
     return 1 if state.engine_loop.error is not None else 0
