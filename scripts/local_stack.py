@@ -202,7 +202,7 @@ vramledger is up:
   exporter        {stack.url('exporter')}/metrics
   Prometheus      {stack.url('prometheus')}  (alerts: /alerts, rules: /rules)
 try: curl -s {stack.url('worker')}/v1/completions -H 'content-type: application/json' \\
-       -d '{{"model": "{model}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
+       -d '{{"model": "{model}", "prompt": "import os\\nimport sys\\n\\n\\ndef main(argv):\\n", "max_tokens": 40, "temperature": 0}}'
 Ctrl-C (or SIGTERM) stops everything.""", flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
             stop_signals.check()

@@ -222,7 +222,7 @@ def test_generate_cli_runs_the_shipped_pair_with_no_flags():
     result = subprocess.run([sys.executable, "-m", "worker", "generate", "--max-tokens", "16"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("def fibonacci(n):")
+    assert result.stdout.startswith("import os\nimport sys\n\n\ndef main(argv):\n")  # the default prompt
     assert "acceptance rate" in result.stderr and "mean acceptance length" in result.stderr
 
 

@@ -12,6 +12,8 @@ from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, 
 from worker.http.settings import SHUTDOWN_MARGIN
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
+# The README's first request: the shipped toy pair writes Python-shaped text from it.
+EXAMPLE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 # libgomp's busy-wait checks before a waiting thread sleeps (GOMP_SPINCOUNT): enough for the barriers
 # inside a step's forward, far less than the time between steps.
 SPIN_BEFORE_SLEEP = 3000
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete one prompt and print it")
     add_engine_flags(gen)
-    gen.add_argument("--prompt", default="def fibonacci(n):\n")
+    gen.add_argument("--prompt", default=EXAMPLE_PROMPT)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
