@@ -107,6 +107,12 @@ def run_prompt_alone(runner: ModelRunner, config: EngineConfig) -> None:
             prefill_step(runner, rows, width, start, table)
 
 
+# This pass is most of the profile's time (3.9 of 5.3 s with the shipped pair on 2 idle cores), and it
+# stays whole: every shape and round of it raised the peak in measurement. With the CPU kernels (the
+# shipped pair, 2048 tokens x 16 rows) the peak rose 1.3-2.2 MiB over the pass, after steps of each of the
+# three shapes, 0.2-0.5 MiB of it in the second and third rounds, and now and then at a varied step itself
+# (small blocks of the glibc heap, sized by the step's rows and context); serving's real peak came within
+# 0.2-1.9 MiB of the budget (bench/profiler_accuracy.py), so a shorter pass would let it pass the budget.
 VARIED_ROUNDS = 3  # with one round the real peak passed the budget by up to 0.5% (docs/ledger.md)
 VARIED_SHAPES = ((1, 2), (3, 4), (1, 4))  # (numerator, denominator) of the longest context and batch
 

@@ -117,9 +117,9 @@ def load_engine(config: EngineConfig, settings: ServerSettings, encoder: PromptE
     with startup.phase("imports"):  # torch, transformers and the models: the HTTP side never needs them
         from worker.engine.llm_engine import LLMEngine
         from worker.http.request_state import requests_in_flight
-        from worker.models.loader import import_tokenizers
+        from worker.models.loader import import_model_libraries
 
-        import_tokenizers()
+        import_model_libraries(config.model)
     with startup.phase("tokenizer"):
         encoder.load(config.model)
     if engine_factory is not None:

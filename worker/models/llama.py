@@ -206,7 +206,11 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config, arch: Arch):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) weight, the embedding skips its random init: the checkpoint fills it, and on the
+        # meta device the loader builds on, that init runs through torch's Python reference kernels, whose
+        # first use imports torch._dynamo (0.3 s and more of every start-up).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, arch, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

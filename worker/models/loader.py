@@ -173,12 +173,14 @@ def same_tokenizer_files(path: str, other: str) -> bool:
     return True
 
 
-def import_tokenizers() -> None:
-    """Import what loading a tokenizer and a config needs (transformers loads its parts on first use),
-    so that start-up times the imports apart from the loads."""
-    from transformers import AutoConfig, AutoTokenizer
+def import_model_libraries(path: str) -> None:
+    """Import what loading the tokenizer and the config of the checkpoint at `path` needs: transformers
+    loads its parts on first use (a model's config class alone pulled in 1-2 s of modules), so that
+    start-up times the imports apart from the loads. Reading the config fails early on a bad path."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    del AutoConfig, AutoTokenizer
+    del AutoTokenizer, PreTrainedTokenizerFast
+    load_config(path)
 
 
 def load_tokenizer(path: str):
