@@ -41,9 +41,11 @@ def read_one(engine: Engine) -> Reading:
     try:
         return Reading(Status.SERVING, engine.read())
     except NotServing as e:
-        return Reading(e.status, reason=str(e), wrong_kind=isinstance(e, Wrong) and e.wrong_kind)
+        return Reading(e.status, reason=str(e), wrong_kind=isinstance(e, Wrong) and e.wrong_kind,
+                       counted=e.counted)
     except Exception as e:  # noqa: BLE001 - one adapter's bug must not hide the other engines
-        return Reading(Status.WRONG, reason=f"exporter fault reading {engine.url}: {type(e).__name__}: {e}")
+        return Reading(Status.WRONG, reason=f"exporter fault reading {engine.url}: {type(e).__name__}: {e}",
+                       counted=True)
 
 
 @dataclass
@@ -127,7 +129,7 @@ class Engines:
             else:  # left running: the next scrape takes its answer rather than asking again
                 reading = Reading(Status.UNREACHABLE, reason=f"{url}: no answer within {wait_s:g} s")
             watch.lifecycle.update(reading)
-            if reading.status is Status.WRONG:
+            if reading.counted:
                 self._errors.count(watch.engine.source)
             readings[url] = reading
         return self._without_aliases(readings)

@@ -68,8 +68,10 @@ class Status(str, Enum):
 
 
 class NotServing(Exception):
-    """The engine is not serving now: `status` says in which other state, the message why."""
+    """The engine is not serving now: `status` says in which other state, the message why; `counted`
+    whether it is a fault (vramledger_exporter_errors_total), not a state an engine passes through."""
     status: Status
+    counted = False
 
 
 class Loading(NotServing):
@@ -79,9 +81,14 @@ class Loading(NotServing):
 class Unreachable(NotServing):
     status = Status.UNREACHABLE
 
+    def __init__(self, message: str, counted: bool = False):
+        super().__init__(message)
+        self.counted = counted  # an answer begun but not finished in time: up, and failing
+
 
 class Wrong(NotServing):
     status = Status.WRONG
+    counted = True
 
     def __init__(self, message: str, wrong_kind: bool = False):
         super().__init__(message)

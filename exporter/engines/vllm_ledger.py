@@ -92,7 +92,8 @@ class LedgerReader:
             ranks = ()
             self._say("absent" if e.status_code == 404 else "wrong")
         except (Loading, Unreachable) as e:  # a busy or stopping engine: asked again next scrape
-            self._errors.note(SOURCE, f"ledger_unanswered {self.url}", f"{e} (asked again next scrape)")
+            note = self._errors.record if e.counted else self._errors.note  # counted: it answered too slowly
+            note(SOURCE, f"ledger_unanswered {self.url}", f"{e} (asked again next scrape)")
             return ()
         except (NotServing, ValueError) as e:  # not JSON, not the plugin's document
             self._errors.record(SOURCE, f"bad_ledger {self.url}", f"{self.url}{PATH}: not vLLM's ledger: {e}")
