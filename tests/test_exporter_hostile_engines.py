@@ -3,17 +3,26 @@ device could hold, labels no engine would send, pids claimed from another engine
 on a real socket; each must cost that engine only, counted, never the scrape or another engine's series."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fake_pynvml import FakeGpu, GiB, proc
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from test_exporter_nvml import WORKER, exporter, ledger_doc
+from test_exporter_vllm import MODEL, gpu_text
+from test_exporter_vllm_ledger import NEIGHBOUR, load
 
-from exporter.engines import Engines, VramledgerEngine
+from exporter.engines import Engines, VllmEngine, VramledgerEngine
 from exporter.engines.base import Unreachable, Wrong
 from exporter.engines.fetch import MAX_BODY, HttpClient, fetch
 from exporter.errors import ErrorLog
+from exporter.processes import PortLocator
 
 MiB = 1 << 20
 DRIP_S = 0.05  # a byte every DRIP_S: each receive is quick, the whole answer is not
@@ -158,3 +167,160 @@ def test_dripping_costs_the_dripping_engine_only(raw_server):
         assert errors.counts() == {"worker": 1}
     finally:
         engines.close()
+
+
+# --- values beyond physical bounds: that engine wrong, the scrape whole ---------------------------
+
+class Routes(BaseHTTPRequestHandler):
+    """Serves the class's {path: body} as JSON or text, as an engine would; 404 elsewhere."""
+    protocol_version = "HTTP/1.1"
+    bodies: dict[str, bytes] = {}
+
+    def do_GET(self):
+        body = self.server.bodies.get(self.path)
+        self.send_response(404 if body is None else 200)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def engine_server():
+    """An engine on a real socket, served by this process, so the pid it claims is behind its port."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(bodies: dict[str, bytes]) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Routes)
+        server.bodies, server.daemon_threads = bodies, True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def exposed(registry) -> tuple[dict, dict]:
+    """What /metrics answers (prometheus_client's exposition, as its HTTP handler runs it), as
+    ({(metric, labels): value} without the exporter's own health, {source: errors})."""
+    values, errors = {}, {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            if s.name == "vramledger_exporter_errors_total":
+                errors[s.labels["source"]] = s.value
+            elif not s.name.startswith("vramledger_exporter_"):
+                values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return values, errors
+
+
+# The neighbours every case runs beside: a worker and a GPU (the engine under test is this process).
+GPU = dict(uuid="GPU-0", allocated=30 * GiB, processes=[proc(4242, "python3", 20), proc(os.getpid(), "engine", 4)])
+LONG_NAME = 'a"\n' * 200_000  # 600 KB of quotes and newlines
+
+
+def beside_a_worker(monkeypatch, make_engine) -> tuple[str, dict, dict, dict]:
+    """Scrapes a worker and the device beside the engine make_engine(errors) builds, then without it:
+    (that engine's URL, the scrape's values, its errors, the values without the engine)."""
+    alone, _ = exporter(monkeypatch, [FakeGpu(**GPU)], {WORKER: ledger_doc(4242, 20 * GiB)})
+    baseline, _ = exposed(alone)
+    built: list = []
+
+    def make(errors):
+        built.append(make_engine(errors))
+        return built[-1]
+    registry, _ = exporter(monkeypatch, [FakeGpu(**GPU)], {WORKER: ledger_doc(4242, 20 * GiB)}, engines=[make])
+    values, errors = exposed(registry)
+    return built[0].url, values, errors, baseline
+
+
+def assert_only_that_engine_is_wrong(url, values, errors, baseline, source):
+    theirs = {key: v for key, v in values.items() if ("worker", url) in key[1]}
+    assert theirs == {("vramledger_worker_up", (("worker", url),)): 0} | {
+        ("vramledger_worker_state", (("state", s), ("worker", url))): int(s == "wrong")
+        for s in ("serving", "loading", "unreachable", "wrong")}
+    assert {key: v for key, v in values.items() if key not in theirs} == baseline  # the others' series intact
+    assert errors[source] == 1
+
+
+def worker_ledger(change) -> bytes:
+    doc = ledger_doc(os.getpid(), GiB)
+    change(doc)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: d.update(declared_bytes=10 ** 400),  # beyond a float: the exposition itself failed
+    lambda d: d.update(declared_bytes=10 ** 30),
+    lambda d: d["worker"].update(pid=2 ** 63),
+    lambda d: d["worker"].update(host_pid=2 ** 63),
+    lambda d: d["worker"].update(container_id=LONG_NAME),
+    lambda d: d.update(models={"target": LONG_NAME}),
+    lambda d: d.update(models={"target": "two\nlines"}),
+], ids=["declared-1e400", "declared-1e30", "pid-2^63", "host-pid-2^63", "container-600KB", "model-600KB",
+        "model-newline"])
+def test_a_worker_ledger_beyond_bounds(monkeypatch, engine_server, change):
+    url = engine_server({"/v1/memory": worker_ledger(change)})
+    found = beside_a_worker(monkeypatch, lambda errors: VramledgerEngine(url, HttpClient(5), errors))
+    assert_only_that_engine_is_wrong(*found, source="worker")
+
+
+def vllm_text(old: str, new: str) -> bytes:
+    text = gpu_text()
+    assert old in text
+    return text.replace(old, new).encode()
+
+
+@pytest.mark.parametrize("metrics", [
+    vllm_text('gpu_memory_utilization="0.9"', 'gpu_memory_utilization="1e400"'),  # cost the whole join
+    vllm_text('gpu_memory_utilization="0.9"', 'gpu_memory_utilization="NaN"'),
+    vllm_text('gpu_memory_utilization="0.9"', 'gpu_memory_utilization="1e30"'),
+    vllm_text('kv_cache_memory_bytes="None"', 'kv_cache_memory_bytes="1e400"'),
+    vllm_text("0.4375\n", "+Inf\n"),
+    vllm_text(f'usage_perc{{engine="0",model_name="{MODEL}"}}',  # escaped as the text format says
+              'usage_perc{engine="0",model_name="' + LONG_NAME.replace('"', '\\"').replace("\n", "\\n") + '"}'),
+], ids=["utilization-1e400", "utilization-nan", "utilization-1e30", "kv-size-1e400", "kv-usage-inf",
+        "model-600KB"])
+def test_a_vllm_metrics_text_beyond_bounds(monkeypatch, engine_server, metrics):
+    url = engine_server({"/metrics": metrics, "/version": b'{"version": "0.32.0"}'})
+    found = beside_a_worker(monkeypatch, lambda errors: VllmEngine(url, HttpClient(5), errors, PortLocator(url)))
+    assert_only_that_engine_is_wrong(*found, source="vllm")
+
+
+def plugin_ledger(change) -> bytes:
+    doc = copy.deepcopy(load(NEIGHBOUR))
+    change(doc["ranks"][0])
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("change", [
+    lambda r: r["entries"][0].update(bytes=10 ** 400),
+    lambda r: r["entries"][0].update(component="kv\ncache"),
+    lambda r: r["entries"][0].update(model=LONG_NAME),
+    lambda r: r.update(rank=10 ** 30),
+    lambda r: r["profile"].update(non_torch_increase_bytes=10 ** 400),
+    lambda r: r["budget"].update(bytes=10 ** 30),
+    lambda r: r.update(entries=r["entries"] * 1000),
+], ids=["entry-1e400", "component-newline", "model-600KB", "rank-1e30", "foreign-1e400", "budget-1e30",
+        "entries-many"])
+def test_a_vllm_plugin_ledger_beyond_bounds(monkeypatch, engine_server, change):
+    url = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}',
+                         "/vramledger/memory": plugin_ledger(change)})
+    found = beside_a_worker(monkeypatch, lambda errors: VllmEngine(url, HttpClient(5), errors, PortLocator(url)))
+    assert_only_that_engine_is_wrong(*found, source="vllm")
+
+
+def test_the_same_engines_within_bounds_serve(monkeypatch, engine_server):
+    # The cases above are refused for their one value: unchanged, each source serves.
+    worker = engine_server({"/v1/memory": worker_ledger(lambda d: None)})
+    vllm = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}',
+                          "/vramledger/memory": plugin_ledger(lambda r: None)})
+    for make in (lambda errors: VramledgerEngine(worker, HttpClient(5), errors),
+                 lambda errors: VllmEngine(vllm, HttpClient(5), errors, PortLocator(vllm))):
+        url, values, errors, _ = beside_a_worker(monkeypatch, make)
+        assert values[("vramledger_worker_up", (("worker", url),))] == 1
+        assert set(errors.values()) == {0}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
+from exporter.engines.bounds import OutOfBounds, check_state
 from exporter.engines.fetch import HttpClient
 from exporter.engines.lifecycle import Lifecycle, Reading
 from exporter.engines.vllm import VllmEngine
@@ -37,9 +38,14 @@ def parse_vllm_arg(text: str) -> tuple[str, int | None]:
 
 
 def read_one(engine: Engine) -> Reading:
-    """engine.read() as a Reading; an adapter's own fault is a wrong reading, never raised."""
+    """engine.read() as a Reading, its values within bounds; an adapter's own fault, or a value beyond
+    bounds, is a wrong reading, never raised."""
     try:
-        return Reading(Status.SERVING, engine.read())
+        state = engine.read()
+        check_state(state)
+        return Reading(Status.SERVING, state)
+    except OutOfBounds as e:
+        return Reading(Status.WRONG, reason=f"{engine.url}: {e}", counted=True)
     except NotServing as e:
         return Reading(e.status, reason=str(e), wrong_kind=isinstance(e, Wrong) and e.wrong_kind,
                        counted=e.counted)

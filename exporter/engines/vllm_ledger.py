@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from exporter.engines.base import Loading, NotServing, Unreachable
+from exporter.engines.bounds import shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from exporter.engines.ranks import Entry, RankLedger
 from exporter.engines.vramledger import LedgerError, is_int, parse_ledger
@@ -33,8 +34,8 @@ def _rank(url: str, doc: object) -> RankLedger:
     ledger = parse_ledger(url, doc)  # each rank is a ledger of docs/ledger.md
     assert isinstance(doc, dict)  # parse_ledger has checked it
     rank, entries = doc.get("rank"), doc.get("entries")
-    if not is_int(rank) or rank < 0:
-        raise LedgerError(f"bad rank {rank!r}")
+    if not is_int(rank) or rank < 0:  # its upper bound is checked with the others' (engines/bounds.py)
+        raise LedgerError(f"bad rank {shown(rank)}")
     if not isinstance(entries, list):
         raise LedgerError(f"rank {rank}: no list of entries")
     uuid = doc["device"].get("uuid")
@@ -50,11 +51,11 @@ def _entry(rank: int, doc: object) -> Entry:
         raise LedgerError(f"rank {rank}: an entry that is no object")
     component, model, size, in_budget = (doc.get(k) for k in ("component", "model", "bytes", "in_budget"))
     if not isinstance(component, str) or not component or not isinstance(model, str):
-        raise LedgerError(f"rank {rank}: bad entry {doc!r}")
+        raise LedgerError(f"rank {rank}: bad entry {shown(doc)}")
     if not is_int(size) or size < 0:
-        raise LedgerError(f"rank {rank}: bad bytes in entry {doc!r}")
+        raise LedgerError(f"rank {rank}: bad bytes in entry {shown(doc)}")
     if in_budget is not None and not isinstance(in_budget, bool):
-        raise LedgerError(f"rank {rank}: bad in_budget in entry {doc!r}")
+        raise LedgerError(f"rank {rank}: bad in_budget in entry {shown(doc)}")
     return Entry(component, model, size, in_budget)
 
 

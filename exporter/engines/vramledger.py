@@ -8,6 +8,7 @@ from typing import TypeGuard
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from exporter.engines.bounds import MAX_BYTES, MAX_LABEL, is_pid, shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from exporter.errors import ErrorLog
 from exporter.processes import HostPidResolver
@@ -44,16 +45,16 @@ def parse_ledger(url: str, doc: object) -> WorkerLedger:
         raise LedgerError("missing 'worker' or 'device'")
     pid, host_pid, declared = worker.get("pid"), worker.get("host_pid"), doc.get("declared_bytes")
     container_id, kind = worker.get("container_id"), device.get("kind")
-    if not is_int(pid) or pid <= 0:
-        raise LedgerError(f"bad worker.pid {pid!r}")
-    if host_pid is not None and (not is_int(host_pid) or host_pid <= 0):
-        raise LedgerError(f"bad worker.host_pid {host_pid!r}")
-    if container_id is not None and not isinstance(container_id, str):
-        raise LedgerError(f"bad worker.container_id {container_id!r}")
-    if not is_int(declared) or declared < 0:
-        raise LedgerError(f"bad declared_bytes {declared!r}")
+    if not is_int(pid) or not is_pid(pid):
+        raise LedgerError(f"bad worker.pid {shown(pid)}")
+    if host_pid is not None and (not is_int(host_pid) or not is_pid(host_pid)):
+        raise LedgerError(f"bad worker.host_pid {shown(host_pid)}")
+    if container_id is not None and not (isinstance(container_id, str) and len(container_id) <= MAX_LABEL):
+        raise LedgerError(f"bad worker.container_id {shown(container_id)}")
+    if not is_int(declared) or not 0 <= declared <= MAX_BYTES:
+        raise LedgerError(f"bad declared_bytes {shown(declared)}")
     if kind not in ("cuda", "cpu"):
-        raise LedgerError(f"bad device.kind {kind!r}")
+        raise LedgerError(f"bad device.kind {shown(kind)}")
     models = doc.get("models")
     target = models.get("target") if isinstance(models, dict) else None
     return WorkerLedger(url, pid, host_pid, container_id or None, kind, declared,
