@@ -38,8 +38,10 @@ GAUGES = {
                              ("worker",)),
     "vramledger_worker_state": (
         ("1 for the worker's state, 0 for the others: serving; loading (it answered 503, as while it "
-         "loads its model); unreachable (no answer within --worker-timeout); wrong (an answer that is not "
-         "this kind of engine's, counted in vramledger_exporter_errors_total)."), ("worker", "state")),
+         "loads its model); unreachable (no whole answer within --worker-timeout; one begun but not "
+         "finished is counted in vramledger_exporter_errors_total); wrong (an answer that is not this kind "
+         "of engine's, a value beyond the exporter's bounds or a pid not behind its port, counted in "
+         "vramledger_exporter_errors_total)."), ("worker", "state")),
     "vramledger_worker_info": ("The engine behind each worker URL: its kind, version and model.",
                                ("worker", "engine", "version", "model")),
     "vramledger_worker_kv_cache_usage_ratio": ("Fraction of the worker's KV cache in use.", ("worker",)),
@@ -187,8 +189,8 @@ class ExporterCollector(Collector):
 
     def _errors_family(self) -> CounterMetricFamily:
         family = CounterMetricFamily(ERRORS, "Errors while reading a source: the device (nvml, host), an "
-                                     "engine that answers wrong (worker, vllm), kubernetes, the exporter "
-                                     "itself.",
+                                     "engine that answers wrong or too slowly (worker, vllm), kubernetes, "
+                                     "the exporter itself.",
                                      labels=("source",))
         counts = dict.fromkeys(self._sources, 0) | self._errors.counts()
         for source, count in sorted(counts.items()):

@@ -14,6 +14,8 @@ import pytest
 from fake_pynvml import FakeGpu, GiB, proc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_exporter_host import spawn  # noqa: F401
+from test_exporter_lifecycle import ledger_worker
 from test_exporter_nvml import WORKER, exporter, ledger_doc
 from test_exporter_vllm import MODEL, gpu_text
 from test_exporter_vllm_ledger import NEIGHBOUR, load
@@ -324,3 +326,73 @@ def test_the_same_engines_within_bounds_serve(monkeypatch, engine_server):
         url, values, errors, _ = beside_a_worker(monkeypatch, make)
         assert values[("vramledger_worker_up", (("worker", url),))] == 1
         assert set(errors.values()) == {0}
+
+
+# --- claims: an engine's processes are the ones behind its port ----------------------------------
+
+ELSEWHERE = "http://192.0.2.1:8000"  # an address of no interface here: as a server in another network namespace
+
+
+def claiming(pid: int) -> bytes:
+    return json.dumps(ledger_doc(pid, GiB)).encode()
+
+
+def test_an_engine_cannot_claim_the_process_behind_another_port(spawn, engine_server):  # noqa: F811
+    worker, worker_url = ledger_worker(spawn)
+    liar = engine_server({"/v1/memory": claiming(worker.pid)})  # listed first, claiming the worker's pid
+    errors = ErrorLog()
+    client = HttpClient(5)
+    engines = Engines([VramledgerEngine(liar, client, errors), VramledgerEngine(worker_url, client, errors)],
+                      errors, client, timeout=5)
+    try:
+        for scrape_number in range(1, 3):
+            readings = engines.read()
+            assert readings[worker_url].status.value == "serving"
+            assert readings[worker_url].state.pids == {worker.pid}
+            assert readings[liar].status.value == "wrong"
+            assert f"claims pid {worker.pid}, which is not behind its port" in readings[liar].reason
+            assert errors.counts() == {"worker": scrape_number}
+    finally:
+        engines.close()
+
+
+def test_a_claim_beyond_sight_cannot_take_a_process_found_behind_a_port(spawn, engine_server):  # noqa: F811
+    worker, worker_url = ledger_worker(spawn)
+    liar = engine_server({"/v1/memory": claiming(worker.pid)})
+    errors = ErrorLog()
+    client = HttpClient(5)
+    # The liar's port is out of sight, so its claim cannot be checked there; the worker's pid was found
+    # behind the worker's own port, and stays the worker's.
+    engines = Engines([VramledgerEngine(liar, client, errors, locator=PortLocator(ELSEWHERE)),
+                       VramledgerEngine(worker_url, client, errors)], errors, client, timeout=5)
+    try:
+        readings = engines.read()
+        assert readings[worker_url].status.value == "serving"
+        assert readings[worker_url].state.pids == {worker.pid}
+        assert readings[liar].status.value == "wrong"
+        assert f"found behind {worker_url}'s port" in readings[liar].reason
+        assert errors.counts() == {"worker": 1}
+    finally:
+        engines.close()
+
+
+def test_a_url_left_out_as_an_alias_is_watched_again_once_the_alias_ends(spawn, engine_server):  # noqa: F811
+    worker, worker_url = ledger_worker(spawn)
+    bodies = {"/v1/memory": claiming(worker.pid)}
+    first = engine_server(bodies)
+    errors = ErrorLog()
+    client = HttpClient(5)
+    # Neither port in sight: two claims of one pid are two URLs of one server, as far as anyone can tell.
+    engines = Engines([VramledgerEngine(first, client, errors, locator=PortLocator(ELSEWHERE)),
+                       VramledgerEngine(worker_url, client, errors, locator=PortLocator(ELSEWHERE))],
+                      errors, client, timeout=5)
+    try:
+        assert list(engines.read()) == [first]
+        assert list(engines.read()) == [first]
+        bodies["/v1/memory"] = claiming(os.getpid())  # the first one fixed: it claims its own process
+        readings = engines.read()
+        assert {url: r.state.pids for url, r in readings.items()} == {first: {os.getpid()},
+                                                                      worker_url: {worker.pid}}
+        assert errors.counts() == {}
+    finally:
+        engines.close()

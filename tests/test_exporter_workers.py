@@ -58,8 +58,9 @@ def test_parse_rejects_garbage(mangle):
 
 
 class Routes(BaseHTTPRequestHandler):
-    """A worker that answers well, garbage, an error, or too late, depending on the path."""
-    ledger = json.dumps(documented_ledger() | {"worker": {"pid": 4242, "host_pid": None,
+    """A worker that answers well, garbage, an error, or too late, depending on the path; this process
+    serves it, so its ledger names this process (the one behind its port)."""
+    ledger = json.dumps(documented_ledger() | {"worker": {"pid": os.getpid(), "host_pid": None,
                                                           "container_id": None}}).encode()
     info = b'vramledger_serving_info{model="m",draft_model="",device="cuda:0",num_speculative_tokens="0",' \
            b'version="9.8.7"} 1.0\n'

@@ -35,6 +35,9 @@ class EngineState:
     declared_bytes: int | None = None  # a fixed declaration, whatever the device (a ledger's total)
     declared_share: float | None = None  # or a share of the total memory of each device it uses
     ranks: tuple[RankLedger, ...] = ()  # or its ledger per rank, each on its device (published too)
+    # True where pids are only the engine's word: no process behind its port (or in its pod) could be
+    # seen to check them against. Pids found there are the engine's before any such claim.
+    claimed: bool = False
 
     def declared_on(self, device: DeviceMemory) -> int | None:
         """What it declares on one device; None when it declares nothing there."""

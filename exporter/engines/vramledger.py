@@ -11,7 +11,7 @@ from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
 from exporter.engines.bounds import MAX_BYTES, MAX_LABEL, is_pid, shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from exporter.errors import ErrorLog
-from exporter.processes import HostPidResolver
+from exporter.processes import HostPidResolver, Locator, NotFound, PortLocator
 
 log = logging.getLogger(__name__)
 
@@ -83,27 +83,51 @@ class VramledgerEngine:
     kind, source = KIND, SOURCE
 
     def __init__(self, url: str, client: HttpClient, errors: ErrorLog,
-                 resolver: HostPidResolver | None = None):
+                 resolver: HostPidResolver | None = None, locator: Locator | None = None):
         self.url = url.rstrip("/")
         self._client = client
         self._errors = errors
         self._resolver = resolver or HostPidResolver()
+        self._locator = locator or PortLocator(self.url)  # its listeners: the processes its pid must be one of
         self._versions: dict[int, str] = {}  # worker pid -> its version
+        self._unchecked_said = False
 
     def read(self) -> EngineState:
-        ledger = self.read_ledger()
+        try:
+            ledger = self.read_ledger()
+        except NotServing:
+            self._locator.forget()  # a restarted worker listens from another process
+            raise
         return self.state(ledger, self._version(ledger.pid))
 
     def state(self, ledger: WorkerLedger, version: str = "") -> EngineState:
-        """The engine state a ledger tells: its host pid, declared bytes, KV usage and model."""
+        """The engine state a ledger tells: its host pid, declared bytes, KV usage and model. The pid is
+        refused (Wrong) unless it is a process behind the worker's port, where those can be seen."""
         pid = self._resolver.host_pid(ledger.pid, ledger.host_pid, ledger.container_id)
         if pid is None:
             self._errors.record(SOURCE, f"pid_unresolved {self.url}",
                                 f"{self.url}: no host process is pid {ledger.pid} of container "
                                 f"{ledger.container_id} (is the exporter in the host pid namespace?)")
+        behind = self._behind_port()
+        if pid is not None and behind is not None and pid not in behind:
+            raise Wrong(f"{self.url}: its ledger claims pid {pid}, which is not behind its port (that is pid "
+                        f"{', '.join(map(str, sorted(behind)[:8]))})")
         info = EngineInfo(KIND, version, ledger.model)
         return EngineState(frozenset() if pid is None else frozenset([pid]), info, ledger.kv_usage,
-                           declared_bytes=ledger.declared_bytes)
+                           declared_bytes=ledger.declared_bytes, claimed=behind is None)
+
+    def _behind_port(self) -> frozenset[int] | None:
+        """The process listening on the worker's port (the worker serves HTTP itself; in a pod, any of
+        its processes); None where it cannot be seen (another network namespace, say): then its
+        ledger's pid is taken at its word."""
+        try:
+            return self._locator.listeners()
+        except (NotFound, ValueError) as e:
+            if not self._unchecked_said:  # once: a lasting fact of the deployment, no fault
+                log.info("vramledger %s: its pid taken from its ledger, unchecked: %s", self.url,
+                         e.reason if isinstance(e, NotFound) else e)
+                self._unchecked_said = True
+            return None
 
     def read_ledger(self) -> WorkerLedger:
         """GET /v1/memory, parsed; raises NotServing."""
