@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import socket
 import threading
@@ -14,7 +15,7 @@ import pytest
 from fake_pynvml import FakeGpu, GiB, proc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_exporter_host import spawn  # noqa: F401
+from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
 from test_exporter_lifecycle import ledger_worker
 from test_exporter_nvml import WORKER, exporter, ledger_doc
 from test_exporter_vllm import MODEL, gpu_text
@@ -265,10 +266,26 @@ def worker_ledger(change) -> bytes:
     lambda d: d.update(models={"target": "two\nlines"}),
 ], ids=["declared-1e400", "declared-1e30", "pid-2^63", "host-pid-2^63", "container-600KB", "model-600KB",
         "model-newline"])
-def test_a_worker_ledger_beyond_bounds(monkeypatch, engine_server, change):
+def test_a_worker_ledger_beyond_bounds(monkeypatch, engine_server, caplog, change):
     url = engine_server({"/v1/memory": worker_ledger(change)})
-    found = beside_a_worker(monkeypatch, lambda errors: VramledgerEngine(url, HttpClient(5), errors))
+    with caplog.at_level(logging.INFO):
+        found = beside_a_worker(monkeypatch, lambda errors: VramledgerEngine(url, HttpClient(5), errors))
     assert_only_that_engine_is_wrong(*found, source="worker")
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"vramledger {url}: wrong")]
+    assert len(line) < 400 and "\n" not in line  # the value named, clipped: no engine floods the log
+
+
+def test_the_exporter_process_answers_whatever_an_engine_declares(spawn, engine_server, tmp_path):  # noqa: F811
+    hostile = engine_server({"/v1/memory": worker_ledger(lambda d: d.update(declared_bytes=10 ** 400))})
+    _, worker_url = ledger_worker(spawn)
+    _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", hostile,
+                             "--worker", worker_url, "--worker-timeout", "5")
+    for scrape_number in range(1, 3):
+        samples = scrape(port)  # 200: /metrics answered 500 when a float could not hold the value
+        assert one(samples, "vramledger_worker_up", worker=worker_url) == 1
+        assert find(samples, "vramledger_worker_state", worker=hostile, state="wrong")[0].value == 1
+        assert find(samples, "vramledger_device_memory_total_bytes", device="host")
+        assert one(samples, "vramledger_exporter_errors_total", source="worker") >= scrape_number
 
 
 def vllm_text(old: str, new: str) -> bytes:
@@ -376,7 +393,8 @@ def test_a_claim_beyond_sight_cannot_take_a_process_found_behind_a_port(spawn, e
         engines.close()
 
 
-def test_a_url_left_out_as_an_alias_is_watched_again_once_the_alias_ends(spawn, engine_server):  # noqa: F811
+def test_a_url_left_out_as_an_alias_is_watched_again_once_the_alias_ends(spawn, engine_server,  # noqa: F811
+                                                                         caplog):
     worker, worker_url = ledger_worker(spawn)
     bodies = {"/v1/memory": claiming(worker.pid)}
     first = engine_server(bodies)
@@ -387,12 +405,16 @@ def test_a_url_left_out_as_an_alias_is_watched_again_once_the_alias_ends(spawn, 
                        VramledgerEngine(worker_url, client, errors, locator=PortLocator(ELSEWHERE))],
                       errors, client, timeout=5)
     try:
-        assert list(engines.read()) == [first]
-        assert list(engines.read()) == [first]
-        bodies["/v1/memory"] = claiming(os.getpid())  # the first one fixed: it claims its own process
-        readings = engines.read()
+        with caplog.at_level(logging.INFO, logger="exporter.engines"):
+            assert list(engines.read()) == [first]
+            assert list(engines.read()) == [first]
+            bodies["/v1/memory"] = claiming(os.getpid())  # the first one fixed: it claims its own process
+            readings = engines.read()
         assert {url: r.state.pids for url, r in readings.items()} == {first: {os.getpid()},
                                                                       worker_url: {worker.pid}}
         assert errors.counts() == {}
+        said = [r.getMessage() for r in caplog.records if "processes" in r.getMessage()]
+        assert said == [f"{worker_url} reaches the same processes as {first}: watching that server once, as {first}",
+                        f"{worker_url} no longer reaches the processes of {first}: watched again"]
     finally:
         engines.close()

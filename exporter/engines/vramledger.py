@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -11,7 +12,7 @@ from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
 from exporter.engines.bounds import MAX_BYTES, MAX_LABEL, is_pid, shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from exporter.errors import ErrorLog
-from exporter.processes import HostPidResolver, Locator, NotFound, PortLocator
+from exporter.processes import TREE_MAX_AGE, HostPidResolver, Locator, NotFound, PortLocator
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class VramledgerEngine:
         self._resolver = resolver or HostPidResolver()
         self._locator = locator or PortLocator(self.url)  # its listeners: the processes its pid must be one of
         self._versions: dict[int, str] = {}  # worker pid -> its version
-        self._unchecked_said = False
+        self._unchecked_at = float("-inf")  # when its port's process was last found out of sight
 
     def read(self) -> EngineState:
         try:
@@ -120,13 +121,15 @@ class VramledgerEngine:
         """The process listening on the worker's port (the worker serves HTTP itself; in a pod, any of
         its processes); None where it cannot be seen (another network namespace, say): then its
         ledger's pid is taken at its word."""
+        if time.monotonic() - self._unchecked_at < TREE_MAX_AGE:  # not looked for on every scrape
+            return None
         try:
             return self._locator.listeners()
         except (NotFound, ValueError) as e:
-            if not self._unchecked_said:  # once: a lasting fact of the deployment, no fault
+            if self._unchecked_at == float("-inf"):  # once: a lasting fact of the deployment, no fault
                 log.info("vramledger %s: its pid taken from its ledger, unchecked: %s", self.url,
                          e.reason if isinstance(e, NotFound) else e)
-                self._unchecked_said = True
+            self._unchecked_at = time.monotonic()
             return None
 
     def read_ledger(self) -> WorkerLedger:
