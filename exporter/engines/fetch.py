@@ -48,7 +48,7 @@ class _DeadlineIO(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:  # type: ignore[override]  # http.client passes a memoryview
+    def readinto(self, buffer) -> int:
         left = self._deadline - time.monotonic()
         try:
             if left <= 0:
