@@ -51,10 +51,17 @@ def test_parse_the_documented_ledger():
     lambda d: d | {"declared_bytes": -5},
     lambda d: d | {"declared_bytes": 1.5},
     lambda d: d | {"device": d["device"] | {"kind": "tpu"}},
+    # Beyond physical bounds (exporter/engines/bounds.py): no kernel gives the pid, no memory holds the bytes.
+    lambda d: d | {"worker": d["worker"] | {"pid": 2 ** 63}},
+    lambda d: d | {"worker": d["worker"] | {"host_pid": (1 << 22) + 1}},
+    lambda d: d | {"worker": d["worker"] | {"container_id": "c" * 257}},
+    lambda d: d | {"declared_bytes": 10 ** 30},
+    lambda d: d | {"declared_bytes": 10 ** 400},
 ])
 def test_parse_rejects_garbage(mangle):
-    with pytest.raises(LedgerError):
+    with pytest.raises(LedgerError) as e:
         parse_ledger("http://w:8000", mangle(documented_ledger()))
+    assert len(str(e.value)) < 200  # the value named, clipped
 
 
 class Routes(BaseHTTPRequestHandler):
