@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -15,7 +17,7 @@ import pytest
 from fake_pynvml import FakeGpu, GiB, proc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
+from test_exporter_host import find, one, read_line, scrape, spawn, start_exporter  # noqa: F401
 from test_exporter_lifecycle import ledger_worker
 from test_exporter_nvml import WORKER, exporter, ledger_doc
 from test_exporter_vllm import MODEL, gpu_text
@@ -416,5 +418,40 @@ def test_a_url_left_out_as_an_alias_is_watched_again_once_the_alias_ends(spawn, 
         said = [r.getMessage() for r in caplog.records if "processes" in r.getMessage()]
         assert said == [f"{worker_url} reaches the same processes as {first}: watching that server once, as {first}",
                         f"{worker_url} no longer reaches the processes of {first}: watched again"]
+    finally:
+        engines.close()
+
+
+def forwarded(spawn, tmp_path, name: str, to_url: str) -> str:  # noqa: F811
+    """A forwarder listening under `name` (a symlink to this Python), passing connections to to_url."""
+    exe = tmp_path / name
+    exe.symlink_to(sys.executable)
+    proc = spawn([str(exe), "tests/port_forwarder.py", "--to", to_url.rsplit(":", 1)[1]],
+                 stdout=subprocess.PIPE, text=True)
+    line = read_line(proc)
+    assert line.startswith("port "), line
+    return f"http://127.0.0.1:{line.split()[1]}"
+
+
+@pytest.mark.parametrize("name, refused", [("docker-proxy", False), ("not-the-worker", True)])
+def test_a_worker_watched_through_a_port_forwarder(spawn, tmp_path, name, refused):  # noqa: F811
+    # A worker in a container, its port published by Docker's userland proxy, watched from the host:
+    # the process listening is the proxy, and the worker's pid cannot be checked there. Any other
+    # process listening in front of the worker is not a forwarder the exporter knows: the pid is refused.
+    worker, worker_url = ledger_worker(spawn)
+    url = forwarded(spawn, tmp_path, name, worker_url)
+    errors = ErrorLog()
+    client = HttpClient(5)
+    engines = Engines([VramledgerEngine(url, client, errors)], errors, client, timeout=5)
+    try:
+        reading = engines.read()[url]
+        if refused:
+            assert reading.status.value == "wrong"
+            assert f"claims pid {worker.pid}, which is not behind its port" in reading.reason
+            assert errors.counts() == {"worker": 1}
+        else:
+            assert reading.status.value == "serving", reading.reason
+            assert reading.state.pids == {worker.pid}
+            assert errors.counts() == {}
     finally:
         engines.close()

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import TypeGuard
 
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
@@ -124,7 +125,7 @@ class VramledgerEngine:
         if time.monotonic() - self._unchecked_at < TREE_MAX_AGE:  # not looked for on every scrape
             return None
         try:
-            return self._locator.listeners()
+            return _not_forwarded(self._locator.listeners())
         except (NotFound, ValueError) as e:
             if self._unchecked_at == float("-inf"):  # once: a lasting fact of the deployment, no fault
                 log.info("vramledger %s: its pid taken from its ledger, unchecked: %s", self.url,
@@ -167,6 +168,24 @@ class VramledgerEngine:
                 version = ""
             self._versions = {pid: version}
         return self._versions[pid]
+
+
+# Processes that listen on a published port and pass its connections on to a server in a container
+# (Docker's userland proxy, rootless Podman's and containerd's): the worker is behind them, out of sight.
+PORT_FORWARDERS = frozenset({"docker-proxy", "rootlessport", "slirp4netns", "pasta"})
+
+
+def _not_forwarded(listeners: frozenset[int]) -> frozenset[int]:
+    """The listeners, or NotFound when a port forwarder listens: a worker watched at its published port
+    is as out of sight as one in another network namespace, not a liar."""
+    for pid in listeners:
+        try:
+            name = psutil.Process(pid).name()
+        except psutil.Error:
+            continue
+        if name in PORT_FORWARDERS:
+            raise NotFound(f"its port is published by {name} (pid {pid}), which forwards to the worker")
+    return listeners
 
 
 def _info_version(text: str) -> str:
