@@ -57,7 +57,7 @@ def _started(worker, record: StartupRecord, _result) -> None:
     if record.memory is None:  # no start snapshot went through request_memory: vLLM's CPU worker
         device = worker.device
         record.memory = OwnMemory(device.type, device.index or 0)
-        record.process_at_start_bytes = record.memory.read()
+        record.process_at_start_bytes = record.read_own()
         if device.type == "cpu":
             node = _cpu_memory_node()
             record.total_bytes, record.free_at_start_bytes = node.total_memory, node.available_memory
@@ -109,7 +109,7 @@ def _start_snapshot(worker, init_snapshot) -> None:
     record = worker.vramledger_record
     device = init_snapshot.device_
     record.memory = OwnMemory(device.type, device.index or 0, _torch_uuid(device))
-    record.process_at_start_bytes = record.memory.read()
+    record.process_at_start_bytes = record.read_own()
     record.total_bytes, record.free_at_start_bytes = init_snapshot.total_memory, init_snapshot.free_memory
 
 
@@ -123,8 +123,7 @@ def _memory_profiling(original, baseline_snapshot, *args, **kwargs):
 
 
 def _profiled(record: StartupRecord, result) -> None:
-    now = record.memory.read() if record.memory is not None else None
-    start = record.process_at_start_bytes
+    now, start = record.read_own(), record.process_at_start_bytes
     record.profile = ProfileFacts(
         consumed_bytes=int(result.total_consumed),
         torch_increase_bytes=int(result.after_profile.torch_memory - result.before_create.torch_memory),

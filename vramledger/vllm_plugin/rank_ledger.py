@@ -20,7 +20,7 @@ def document(worker, record: StartupRecord) -> dict:
     """The rank's ledger as JSON-ready data (sent back through vLLM's collective_rpc)."""
     entries = _entries(worker, record)
     declared = sum(e["bytes"] for e in entries)
-    process = record.memory.read() if record.memory is not None else None
+    process = record.read_own()
     kv = next((e["bytes"] for e in entries if e["component"] == "kv_cache"), 0)
     cache_config = worker.cache_config
     return {
