@@ -11,6 +11,7 @@ import time
 from vramledger.identity import ProcessIdentity
 from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION, SCOPE_DEVICE, SCOPE_PROCESS
 from vramledger.vllm_plugin.record import StartupRecord
+from vramledger.vllm_plugin.sizing import OWN_PROCESS
 from vramledger.vllm_plugin.tensors import model_bytes, storage_bytes
 
 _identity: ProcessIdentity | None = None
@@ -41,6 +42,7 @@ def document(worker, record: StartupRecord) -> dict:
                      "capacity_tokens": record.blocks_total * record.block_size,
                      "sized_bytes": record.kv_cache_sized_bytes},
         "profile": _profile(record),
+        "sizing": record.sizing.to_dict(),
         "live": {"process_bytes": process, "process_source": record.memory.source if record.memory else None,
                  "declared_bytes": declared,
                  "unaccounted_bytes": None if process is None else max(0, process - declared),
@@ -70,7 +72,10 @@ def _entries(worker, record: StartupRecord) -> list[dict]:
             add("kernels", held.kernel_copies, SCOPE_PROCESS, in_budget=counted, model=name)
     if record.profile is not None:
         add("activation_peak", record.profile.peak_headroom_bytes, SCOPE_PROCESS, in_budget=True)
-        add("non_torch", record.profile.non_torch_increase_bytes, SCOPE_DEVICE, in_budget=True)
+        if record.sizing.ran == OWN_PROCESS:  # what was charged: this process's own
+            add("non_torch", max(0, record.profile.non_torch_process_bytes or 0), SCOPE_PROCESS, in_budget=True)
+        else:
+            add("non_torch", record.profile.non_torch_increase_bytes, SCOPE_DEVICE, in_budget=True)
     if record.cuda_graph_bytes is not None:
         add("cuda_graph", record.cuda_graph_bytes, SCOPE_DEVICE, in_budget=record.cuda_graph_estimate_counted)
     if record.blocks_total:

@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass, field
 
 from vramledger.vllm_plugin.own_memory import OwnMemory, OwnMemoryUnseen
+from vramledger.vllm_plugin.sizing import Sizing
 
 log = logging.getLogger("vllm.plugins.vramledger")
 
@@ -47,6 +48,7 @@ class StartupRecord:
     cuda_graph_bytes: int | None = None  # the free memory the capture took (device)
     block_size: int = 0
     blocks_total: int = 0
+    sizing: Sizing = field(default_factory=Sizing.from_environment)
     own_memory_unseen: str | None = None  # why NVML could not see this process, the first time it could not
     errors: list[str] = field(default_factory=list)  # a hook that failed: its entry stays absent
 
