@@ -93,11 +93,12 @@ def broken(path, change):
     broken(CPU_LEDGER, lambda d: d["ranks"][0].pop("entries")),
     broken(NEIGHBOUR, lambda d: d["ranks"][0]["sizing"].update(ran="own")),
     broken(NEIGHBOUR, lambda d: d["ranks"][0]["sizing"].update(vllm_charged_bytes=None)),
+    broken(NEIGHBOUR, lambda d: d["ranks"][0]["sizing"].update(charged_bytes=1)),
     broken(CPU_LEDGER, lambda d: d["ranks"][0]["entries"][0].update(bytes=-1)),
     broken(CPU_LEDGER, lambda d: d["ranks"][0]["entries"][0].update(in_budget="yes")),
     broken(CPU_LEDGER, lambda d: d["ranks"][0]["device"].update(kind="tpu")),
 ], ids=["not-json-ledger", "another-engine", "ranks-not-a-list", "rank-version", "rank-number", "no-entries",
-        "sizing-ran", "sizing-charge", "negative-bytes", "in-budget", "device-kind"])
+        "sizing-ran", "sizing-charge", "sizing-charged", "negative-bytes", "in-budget", "device-kind"])
 def test_a_document_that_is_not_the_plugins_is_refused(doc):
     with pytest.raises(LedgerError):
         parse_ranks("http://vllm:8000", doc)

@@ -26,11 +26,7 @@ class Sizing:
     fallback: str  # why own-process sizing was asked for and vLLM's ran; "" when it was not
     vllm_charged_bytes: int
     own_process_bytes: int | None  # None where NVML could not see the rank's process
-
-    @property
-    def charged_bytes(self) -> int:
-        return self.own_process_bytes if self.ran == "own-process" and self.own_process_bytes is not None \
-            else self.vllm_charged_bytes
+    charged_bytes: int  # the one that ran
 
     @property
     def foreign_charged_bytes(self) -> int | None:

@@ -63,11 +63,12 @@ def _sizing(rank: int, doc: object) -> Sizing | None:
     older than the block."""
     if not isinstance(doc, dict) or doc.get("ran") is None:
         return None
-    ran, fallback, vllm, own = (doc.get(k) for k in ("ran", "fallback", "vllm_charged_bytes", "own_process_bytes"))
+    ran, fallback, vllm, own, charged = (doc.get(k) for k in ("ran", "fallback", "vllm_charged_bytes",
+                                                              "own_process_bytes", "charged_bytes"))
     if ran not in ("vllm", "own-process") or not (fallback is None or isinstance(fallback, str)) \
-            or not is_int(vllm) or not (own is None or is_int(own)):
+            or not is_int(vllm) or not (own is None or is_int(own)) or not is_int(charged) or charged not in (vllm, own):
         raise LedgerError(f"rank {rank}: bad sizing {doc!r}")
-    return Sizing(ran, fallback or "", vllm, own)
+    return Sizing(ran, fallback or "", vllm, own, charged)
 
 
 class LedgerReader:

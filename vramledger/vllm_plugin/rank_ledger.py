@@ -11,7 +11,7 @@ import time
 from vramledger.identity import ProcessIdentity
 from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION, SCOPE_DEVICE, SCOPE_PROCESS
 from vramledger.vllm_plugin.record import StartupRecord
-from vramledger.vllm_plugin.sizing import OWN_PROCESS
+from vramledger.vllm_plugin.sizing import OWN_PROCESS, own_charge
 from vramledger.vllm_plugin.tensors import model_bytes, storage_bytes
 
 _identity: ProcessIdentity | None = None
@@ -72,8 +72,10 @@ def _entries(worker, record: StartupRecord) -> list[dict]:
             add("kernels", held.kernel_copies, SCOPE_PROCESS, in_budget=counted, model=name)
     if record.profile is not None:
         add("activation_peak", record.profile.peak_headroom_bytes, SCOPE_PROCESS, in_budget=True)
-        if record.sizing.ran == OWN_PROCESS:  # what was charged: this process's own
-            add("non_torch", max(0, record.profile.non_torch_process_bytes or 0), SCOPE_PROCESS, in_budget=True)
+        p = record.profile
+        own = own_charge(p.torch_increase_bytes, p.process_growth_bytes) if record.sizing.ran == OWN_PROCESS else None
+        if own is not None:  # what was charged: this process's own
+            add("non_torch", own[1], SCOPE_PROCESS, in_budget=True)
         else:
             add("non_torch", record.profile.non_torch_increase_bytes, SCOPE_DEVICE, in_budget=True)
     if record.cuda_graph_bytes is not None:

@@ -61,5 +61,6 @@ class StartupRecord:
         except OwnMemoryUnseen as e:
             if self.own_memory_unseen is None:
                 self.own_memory_unseen = str(e)
-                log.warning("vramledger: %s; the ledger has no runtime entry and no live process memory", e)
+                log.warning("vramledger: %s; the ledger leaves out what it would read there (the runtime entry, "
+                            "the process's growth, its live memory)", e)
             return None
