@@ -13,7 +13,7 @@ import logging
 from exporter.engines.base import Loading, NotServing, Unreachable
 from exporter.engines.bounds import shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
-from exporter.engines.ranks import Entry, RankLedger
+from exporter.engines.ranks import Entry, RankLedger, Sizing
 from exporter.engines.vramledger import LedgerError, is_int, parse_ledger
 from exporter.errors import ErrorLog
 
@@ -43,7 +43,7 @@ def _rank(url: str, doc: object) -> RankLedger:
     size = budget.get("bytes") if isinstance(budget, dict) else None
     return RankLedger(rank, ledger.device_kind, uuid if isinstance(uuid, str) and uuid else None,
                       ledger.declared_bytes, tuple(_entry(rank, e) for e in entries),
-                      size if is_int(size) and size >= 0 else None, _foreign_charged(doc.get("profile")))
+                      size if is_int(size) and size >= 0 else None, _sizing(rank, doc.get("sizing")))
 
 
 def _entry(rank: int, doc: object) -> Entry:
@@ -59,15 +59,17 @@ def _entry(rank: int, doc: object) -> Entry:
     return Entry(component, model, size, in_budget)
 
 
-def _foreign_charged(profile: object) -> int | None:
-    """vLLM's non-torch increase over its profile run, read from the device's free memory, above its
-    process's own non-torch growth (NVML): what other processes allocated meanwhile, charged to vLLM."""
-    if not isinstance(profile, dict):
-        return None  # no profile run (the CPU backend)
-    device, own = profile.get("non_torch_increase_bytes"), profile.get("non_torch_process_bytes")
-    if not (is_int(device) and is_int(own)):
-        return None  # the rank could not read its own growth (no NVML)
-    return max(0, device - max(0, own))
+def _sizing(rank: int, doc: object) -> Sizing | None:
+    """The rank's sizing (docs/vllm.md); None where no profile run sized its KV cache, or a plugin
+    older than the block."""
+    if not isinstance(doc, dict) or doc.get("ran") is None:
+        return None
+    ran, fallback, vllm, own, charged = (doc.get(k) for k in ("ran", "fallback", "vllm_charged_bytes",
+                                                              "own_process_bytes", "charged_bytes"))
+    if ran not in ("vllm", "own-process") or not (fallback is None or isinstance(fallback, str)) \
+            or not is_int(vllm) or not (own is None or is_int(own)) or not is_int(charged) or charged not in (vllm, own):
+        raise LedgerError(f"rank {rank}: bad sizing {doc!r}")
+    return Sizing(ran, fallback or "", vllm, own, charged)
 
 
 class LedgerReader:

@@ -16,6 +16,7 @@ import logging
 from vramledger.vllm_plugin.own_memory import OwnMemory
 from vramledger.vllm_plugin.rank_ledger import document, loaded_models
 from vramledger.vllm_plugin.record import ProfileFacts, StartupRecord
+from vramledger.vllm_plugin.sizing import FAILED, OWN_PROCESS, VLLM, size
 
 log = logging.getLogger("vllm.plugins.vramledger")
 
@@ -57,7 +58,7 @@ def _started(worker, record: StartupRecord, _result) -> None:
     if record.memory is None:  # no start snapshot went through request_memory: vLLM's CPU worker
         device = worker.device
         record.memory = OwnMemory(device.type, device.index or 0)
-        record.process_at_start_bytes = record.memory.read()
+        record.process_at_start_bytes = record.read_own()
         if device.type == "cpu":
             node = _cpu_memory_node()
             record.total_bytes, record.free_at_start_bytes = node.total_memory, node.available_memory
@@ -109,7 +110,7 @@ def _start_snapshot(worker, init_snapshot) -> None:
     record = worker.vramledger_record
     device = init_snapshot.device_
     record.memory = OwnMemory(device.type, device.index or 0, _torch_uuid(device))
-    record.process_at_start_bytes = record.memory.read()
+    record.process_at_start_bytes = record.read_own()
     record.total_bytes, record.free_at_start_bytes = init_snapshot.total_memory, init_snapshot.free_memory
 
 
@@ -117,14 +118,14 @@ def _start_snapshot(worker, init_snapshot) -> None:
 def _memory_profiling(original, baseline_snapshot, *args, **kwargs):
     with original(baseline_snapshot, *args, **kwargs) as result:
         yield result
-    if _active:
+    if _active:  # vLLM's worker reads the result next: recorded as vLLM measured it, then sized
         record = _active[-1].vramledger_record
         _guarded(record, "the memory profile", _profiled, record, result)
+        _guarded(record, "own-process sizing", _size, record, result)
 
 
 def _profiled(record: StartupRecord, result) -> None:
-    now = record.memory.read() if record.memory is not None else None
-    start = record.process_at_start_bytes
+    now, start = record.read_own(), record.process_at_start_bytes
     record.profile = ProfileFacts(
         consumed_bytes=int(result.total_consumed),
         torch_increase_bytes=int(result.after_profile.torch_memory - result.before_create.torch_memory),
@@ -133,6 +134,20 @@ def _profiled(record: StartupRecord, result) -> None:
         weights_bytes=int(result.weights_memory),
         non_kv_bytes=int(result.non_kv_cache_memory),
         process_growth_bytes=None if now is None or start is None else now - start)
+
+
+def _size(record: StartupRecord, result) -> None:
+    try:
+        profile = record.profile
+        if profile is None:
+            raise RuntimeError("the memory profile was not recorded")
+        size(record.sizing, result, profile.torch_increase_bytes, profile.process_growth_bytes,
+             record.own_memory_unseen)
+    except Exception as e:  # size() changes the result only once all is known: vLLM's figure stands
+        record.sizing.ran = VLLM
+        if record.sizing.requested == OWN_PROCESS:
+            record.sizing.fall_back(FAILED, f"sizing failed ({type(e).__name__}: {e})")
+        raise
 
 
 def _patch_gpu_worker_module() -> None:
