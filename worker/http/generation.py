@@ -15,6 +15,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from worker.http.body_slots import release_body_slot
 from worker.http.choices import Job, collect, events
 from worker.http.engine_loop import EngineLoop
 from worker.http.errors import APIError
@@ -48,6 +49,7 @@ async def prepare(state: ServerState, request: Request, model: type[Generation])
     async with state.encoder.stage(len(raw)):
         body = parse(raw, model)
         del raw
+        release_body_slot(request.scope)  # the stage's parsed bodies are counted apart
         engine = state.engine_or_503()
         state.check_model(body.model)
         check_queue(state, body.n, tokenizing=state.encoder.pending)
