@@ -72,7 +72,8 @@ def admit(state: ServerState, body: CompletionRequest | ChatCompletionRequest, t
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choice_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     arrival = time.monotonic()
-    streams = [engine_loop.submit(choice_id, token_ids, p, arrival)  # n sequences, one prompt
+    group = request_id if body.n > 1 else ""
+    streams = [engine_loop.submit(choice_id, token_ids, p, arrival, group)  # n sequences, one prompt
                for choice_id, p in zip(choice_ids, choice_params(params, body.n))]
     render = ResponseRenderer(request_id, chat, state.model_name, body.return_token_ids, body.num_logprobs)
     return Job(request_id, choice_ids, streams, render, len(token_ids))
