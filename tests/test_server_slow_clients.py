@@ -88,6 +88,32 @@ def test_a_body_held_short_of_its_length_gets_408_and_the_connection_closed(serv
     assert json.loads(payload)["error"]["code"] == "request_timeout"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_mid_request_is_one_info_line_not_a_traceback(servers, stream):
+    server = servers["quick"]
+    logged = server.log_path.stat().st_size
+    body = json.dumps({"model": "llama", "prompt": "def f(x):", "max_tokens": 100, "ignore_eos": True,
+                       "stream": stream}).encode()
+    with connect(server) as sock:  # ten requests pipelined, then no more: a half-close
+        sock.sendall((post_head("/v1/completions", len(body)) + body) * 10)
+        sock.shutdown(socket.SHUT_WR)
+        read_to_end(sock)
+
+    def new_log() -> str:
+        with open(server.log_path) as log:
+            log.seek(logged)
+            return log.read()
+
+    deadline = time.monotonic() + PATIENCE
+    while "went away" not in new_log() and "Traceback" not in new_log():
+        assert time.monotonic() < deadline, new_log()
+        time.sleep(0.1)
+    time.sleep(1)  # whatever else the server writes about it (no timing asserted: it could only add lines)
+    text = new_log()
+    assert "Traceback" not in text and " ERROR " not in text and "ERROR:" not in text, text
+    assert text.count("the client went away") == 1, text  # the request that ran; the others never started
+
+
 def test_stalled_uploads_hold_no_more_bodies_than_the_ledger_declares(servers, checkpoints):
     server = servers["held"]
     limit = body_limit(PromptBound.of(load_tokenizer(checkpoints["llama"])), 512, 4 << 20)
@@ -101,10 +127,10 @@ def test_stalled_uploads_hold_no_more_bodies_than_the_ledger_declares(servers, c
                 sock = connect(server)
                 sock.sendall(post_head("/v1/completions", limit))
                 stalled.append(sock)
-            # Round trips on a newer connection: the server has read the headers that arrived before (a
-            # read that found a body behind its headers holds it: one read's worth per connection).
+            # Round trips on connections accepted after theirs: the server has read the headers that
+            # arrived before (a read that found a body behind its headers holds it: one read's worth).
             for _ in range(2):
-                assert client.get("/health").status_code == 200
+                assert httpx.get(server.url + "/health", timeout=PATIENCE).status_code == 200
             for sock in stalled:
                 sock.setblocking(False)
                 try:

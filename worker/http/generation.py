@@ -7,6 +7,7 @@ with server-sent events when it streams.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TypeVar
@@ -24,6 +25,8 @@ from worker.http.renderer import ResponseRenderer
 from worker.http.request_body import parse, read_json
 from worker.http.request_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from worker.http.state import ServerState
+
+log = logging.getLogger(__name__)
 
 
 def check_queue(state: ServerState, n: int, tokenizing: int = 0) -> None:
@@ -82,7 +85,7 @@ def admit(state: ServerState, body: CompletionRequest | ChatCompletionRequest, t
 async def respond(engine_loop: EngineLoop, request: Request, body: SamplingRequest, job: Job) -> Response:
     """The answer to an admitted request; a client that leaves first gets its choices aborted (499)."""
     if body.stream:
-        return EventStream(events(job, body.include_usage, body.continuous_usage, engine_loop.abort),
+        return EventStream(job, events(job, body.include_usage, body.continuous_usage, engine_loop.abort),
                            media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     collecting = asyncio.ensure_future(collect(job))
@@ -95,10 +98,16 @@ async def respond(engine_loop: EngineLoop, request: Request, body: SamplingReque
             collecting.cancel()
             abort(engine_loop, job)
     if not collecting.done() or collecting.cancelled():
+        client_left(job)
         return Response(status_code=499)
     if collecting.exception() is not None:
         abort(engine_loop, job)  # one choice failed: the others stop too
     return JSONResponse(job.render.response(collecting.result(), job.prompt_tokens))
+
+
+def client_left(job: Job) -> None:
+    """One line for a client that went away before its answer: its own doing, no server error."""
+    log.info("%s: the client went away before the answer; its request was aborted", job.request_id)
 
 
 def abort(engine_loop: EngineLoop, job: Job) -> None:
@@ -114,17 +123,27 @@ async def until_disconnected(request: Request) -> None:
 class EventStream(StreamingResponse):
     """Server-sent events that notice a client that left even while no token is due."""
 
+    def __init__(self, job: Job, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.job = job
+
     async def __call__(self, scope, receive, send):
+        ended = False  # a response that ended reads as a disconnect too
+
         async with anyio.create_task_group() as group:
             async def watch():
                 await self.listen_for_disconnect(receive)
+                if not ended:
+                    client_left(self.job)
                 group.cancel_scope.cancel()
 
             group.start_soon(watch)
             try:
                 await self.stream_response(send)
-            except OSError:
-                pass  # the client closed the connection while we wrote
+                ended = True
+            except OSError:  # the client closed the connection while we wrote
+                ended = True
+                client_left(self.job)
             finally:
                 await self.body_iterator.aclose()  # runs the stream's finally: the abort
                 group.cancel_scope.cancel()

@@ -6,7 +6,9 @@ connection with no request in progress is closed after the keep-alive timeout fr
 and a request's headers must be complete within the header timeout of its first byte (else a 408
 and the connection closed). A request's body is read only while the app waits for it: a request
 waiting for a body slot (body_slots.py) leaves what it has not sent with its headers in the kernel's
-socket buffer, not in the process.
+socket buffer, not in the process. And a connection lost while a pipelined request runs marks that
+request's client gone, as uvicorn does only for the last request it parsed: the request is aborted
+instead of writing its answer to a closed transport (an ERROR traceback per request).
 """
 from __future__ import annotations
 
@@ -40,8 +42,16 @@ def intake_protocol(keep_alive_timeout: float, header_timeout: float) -> type[as
                 if self.cycle.more_body:  # the rest is read as the app receives it
                     self.flow.pause_reading()
 
+        def _start_asgi_task(self, cycle, app) -> None:  # httptools' (h11's runs no pipelined requests)
+            self.started_cycle = cycle
+            super()._start_asgi_task(cycle, app)
+
         def connection_lost(self, exc) -> None:
             self.cancel_header_deadline()
+            started = getattr(self, "started_cycle", None)
+            if started is not None and not started.response_complete:  # uvicorn tells self.cycle only
+                started.disconnected = True
+                started.message_event.set()
             super().connection_lost(exc)
 
         def between_requests(self) -> bool:
