@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from worker.http.body_slots import SCOPE_KEY, BodySlots
 from worker.http.errors import error_body, send_json
+from worker.http.intake import peer
 from worker.http.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Guard:
                 return await self._receive_body(scope, receive, send)
         except TimeoutError:
             log.info("%s %s from %s: its body did not arrive within %g s (408)", scope["method"], scope["path"],
-                     client_of(scope), timeout)
+                     peer(scope.get("client")), timeout)
             await send_json(send, 408, error_body(f"the request body did not arrive within {timeout:g} s",
                                                   "invalid_request_error", None, "request_timeout"), CLOSE)
             return None
@@ -95,11 +96,6 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-
-def client_of(scope) -> str:
-    client = scope.get("client")
-    return "%s:%d" % tuple(client) if client else "an unknown client"
 
 
 def replay(body: bytes, receive):

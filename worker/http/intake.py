@@ -73,5 +73,6 @@ def intake_protocol(keep_alive_timeout: float, header_timeout: float) -> type[as
     return IntakeProtocol
 
 
-def peer(client: tuple[str, int] | None) -> str:
-    return "%s:%d" % client if client else "an unknown client"
+def peer(client) -> str:
+    """host:port of a connection's client (uvicorn's `client`, an ASGI scope's)."""
+    return "%s:%d" % tuple(client) if client else "an unknown client"
