@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import plugin_wheel
+
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 300  # about 40 s on an idle 2-core machine; far more when the machine is shared
 
@@ -31,13 +33,16 @@ import importlib.metadata as md, importlib.util, json
 spec = importlib.util.find_spec("vramledger")
 groups = ("vllm.general_plugins", "vllm.endpoint_plugins")
 print(json.dumps({"package": list(spec.submodule_search_locations) if spec else [],
-                  "entry_points": {g: {e.name: e.value for e in md.entry_points(group=g)} for g in groups}}))
+                  "entry_points": {g: {e.name: e.value for e in md.entry_points(group=g)} for g in groups},
+                  "distributions": sorted({e.dist.name for g in groups for e in md.entry_points(group=g)
+                                           if e.dist is not None})}))
 """
 
 
 def plugin_installed(python: Path) -> bool:
-    """Whether vLLM's venv holds this checkout's plugin: the same vramledger package, file for file,
-    and the same vLLM entry points (an install from another checkout, or an older one, is not)."""
+    """Whether vLLM's venv holds this checkout's plugin, alone: the same vramledger package, file for
+    file, and the same vLLM entry points, from the plugin's own wheel (an install from another
+    checkout, an older one, or the whole project's distribution is not)."""
     try:
         import tomllib
     except ImportError:  # Python 3.10: the entry points cannot be compared, so the install is not trusted
@@ -54,7 +59,7 @@ def plugin_installed(python: Path) -> bool:
             for name, value in points.items()}
     if any(found["entry_points"].get(group, {}).get(name) != value for (group, name), value in ours.items()):
         return False
-    if len(found["package"]) != 1:
+    if len(found["package"]) != 1 or found["distributions"] != [plugin_wheel.NAME]:
         return False
     installed, ours = Path(found["package"][0]), ROOT / "vramledger"
     if installed.resolve() == ours.resolve():
