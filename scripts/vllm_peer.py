@@ -32,10 +32,13 @@ _INSTALLED = """
 import importlib.metadata as md, importlib.util, json
 spec = importlib.util.find_spec("vramledger")
 groups = ("vllm.general_plugins", "vllm.endpoint_plugins")
+owners = {g: {} for g in groups}  # each entry point's distributions: two where another also declares it
+for g in groups:
+    for e in md.entry_points(group=g):
+        owners[g].setdefault(e.name, []).append(e.dist and e.dist.name)
 print(json.dumps({"package": list(spec.submodule_search_locations) if spec else [],
                   "entry_points": {g: {e.name: e.value for e in md.entry_points(group=g)} for g in groups},
-                  "distributions": sorted({e.dist.name for g in groups for e in md.entry_points(group=g)
-                                           if e.dist is not None})}))
+                  "owners": owners}))
 """
 
 
@@ -59,7 +62,9 @@ def plugin_installed(python: Path) -> bool:
             for name, value in points.items()}
     if any(found["entry_points"].get(group, {}).get(name) != value for (group, name), value in ours.items()):
         return False
-    if len(found["package"]) != 1 or found["distributions"] != [plugin_wheel.NAME]:
+    if any(found["owners"][group][name] != [plugin_wheel.NAME] for group, name in ours):
+        return False  # declared by another distribution (the whole project): not the plugin alone
+    if len(found["package"]) != 1:
         return False
     installed, ours = Path(found["package"][0]), ROOT / "vramledger"
     if installed.resolve() == ours.resolve():
