@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-# Major.minor versions whose worker code the hooks were written against and tested with.
+# SUPPORTED_VERSIONS: the major.minor versions with a module of names (versions/), each checked
+# against that version's own sources.
 from vramledger.vllm_plugin.versions import SUPPORTED_VERSIONS, minor_version
 
 PLUGIN_NAME = "vramledger"
