@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="process series per device; smaller foreign ones are summed as pid=\"other\"")
     p.add_argument("--worker-timeout", type=_positive_float, default=1.0, metavar="SECONDS",
                    help="how long a scrape waits for the workers and vLLM servers, read all at once "
-                        "(default 1.0); one that has not answered by then is unreachable for that scrape")
+                        "(default 1.0); one that has not answered by then is unreachable for that scrape, and "
+                        "each GET of an engine must be whole within it, connect to last byte")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 

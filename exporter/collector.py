@@ -38,8 +38,10 @@ GAUGES = {
                              ("worker",)),
     "vramledger_worker_state": (
         ("1 for the worker's state, 0 for the others: serving; loading (it answered 503, as while it "
-         "loads its model); unreachable (no answer within --worker-timeout); wrong (an answer that is not "
-         "this kind of engine's, counted in vramledger_exporter_errors_total)."), ("worker", "state")),
+         "loads its model); unreachable (no whole answer within --worker-timeout; one begun but not "
+         "finished is counted in vramledger_exporter_errors_total); wrong (an answer that is not this kind "
+         "of engine's, a value beyond the exporter's bounds or a pid not behind its port, counted in "
+         "vramledger_exporter_errors_total)."), ("worker", "state")),
     "vramledger_worker_info": ("The engine behind each worker URL: its kind, version and model.",
                                ("worker", "engine", "version", "model")),
     "vramledger_worker_kv_cache_usage_ratio": ("Fraction of the worker's KV cache in use.", ("worker",)),
@@ -61,9 +63,20 @@ GAUGES = {
         ("Memory a model's weights hold outside the budget its vLLM rank sized against (0 when inside): a "
          "draft model loaded after the memory profile, so the KV cache took its share."), RANK + ("model",)),
     "vramledger_worker_foreign_charged_bytes": (
-        ("Other processes' memory a vLLM rank charged to itself at start-up: the non-torch increase of its "
-         "memory profile, read from the device's free memory, above its own process's non-torch growth."),
+        ("Other processes' memory a vLLM rank charged to itself at start-up: what its sizing charged its budget "
+         "before the KV cache above its own process's memory (0 with own-process sizing)."),
         RANK),
+    "vramledger_worker_sizing_info": (
+        ("How a vLLM rank sized its KV cache: sizing is vllm (vLLM's arithmetic, from the device's free memory) "
+         "or own-process (its own process's memory); fallback says why own-process was asked and vllm ran."),
+        RANK + ("sizing", "fallback")),
+    "vramledger_worker_sizing_charge_bytes": (
+        ("What each arithmetic charges a vLLM rank's budget before the KV cache: vllm, and own-process (absent "
+         "where NVML cannot see the rank's process); vramledger_worker_sizing_info says which ran."),
+        RANK + ("arithmetic",)),
+    "vramledger_worker_sizing_given_back_bytes": (
+        ("KV cache bytes a vLLM rank's sizing gave back against vLLM's arithmetic (vllm charge - charged; "
+         "0 with vLLM's sizing)."), RANK),
 }
 PROCESS = "vramledger_device_process_memory_bytes"
 POD_LABELS = ("namespace", "pod", "container")  # --kubernetes only; empty for a process in no pod
@@ -144,6 +157,15 @@ class ExporterCollector(Collector):
             gauges["vramledger_worker_weights_outside_budget_bytes"].add_metric(labels + [model], size)
         if rank.foreign_charged_bytes is not None:
             gauges["vramledger_worker_foreign_charged_bytes"].add_metric(labels, rank.foreign_charged_bytes)
+        sizing = rank.sizing
+        if sizing is not None:
+            gauges["vramledger_worker_sizing_info"].add_metric(labels + [sizing.ran, sizing.fallback], 1)
+            charges: dict[str, int | None] = {"vllm": sizing.vllm_charged_bytes, "own-process": sizing.own_process_bytes}
+            for arithmetic, charge in charges.items():
+                if charge is not None:
+                    gauges["vramledger_worker_sizing_charge_bytes"].add_metric(labels + [arithmetic], charge)
+            gauges["vramledger_worker_sizing_given_back_bytes"].add_metric(
+                labels, sizing.vllm_charged_bytes - sizing.charged_bytes)
 
     def _guard(self, source: str, read, fallback):
         # One failing source must not take the others' series down with it.
@@ -187,8 +209,8 @@ class ExporterCollector(Collector):
 
     def _errors_family(self) -> CounterMetricFamily:
         family = CounterMetricFamily(ERRORS, "Errors while reading a source: the device (nvml, host), an "
-                                     "engine that answers wrong (worker, vllm), kubernetes, the exporter "
-                                     "itself.",
+                                     "engine that answers wrong or too slowly (worker, vllm), kubernetes, "
+                                     "the exporter itself.",
                                      labels=("source",))
         counts = dict.fromkeys(self._sources, 0) | self._errors.counts()
         for source, count in sorted(counts.items()):

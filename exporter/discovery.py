@@ -41,6 +41,9 @@ class PodLocator:
                            "namespace?)")
         return self._found
 
+    def listeners(self) -> frozenset[int]:
+        return self.pids()  # any process of the pod may listen: the pod is what is known
+
     def forget(self) -> None:
         self._found, self._found_at = frozenset(), float("-inf")
 
@@ -84,4 +87,5 @@ class DiscoveredEngines:
         if found.kind == "vllm":
             return VllmEngine(found.url, self._client, self._errors,
                               PodLocator(found.uid, f"{found.namespace}/{found.pod}"))
-        return VramledgerEngine(found.url, self._client, self._errors)
+        return VramledgerEngine(found.url, self._client, self._errors,
+                                locator=PodLocator(found.uid, f"{found.namespace}/{found.pod}"))

@@ -38,6 +38,10 @@ class ErrorLog:
             return dict(self._counts)
 
 
+MAX_LINE = 1000  # characters of one logged message: an engine's answer may repeat whatever it was sent
+
+
 def one_line(text: str) -> str:
-    """A message as one log line: a multi-line error text (an API's body, say) folded."""
-    return " ".join(str(text).split())
+    """A message as one log line: a multi-line error text (an API's body, say) folded, a long one clipped."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= MAX_LINE else f"{line[:MAX_LINE]}... ({len(line)} characters)"

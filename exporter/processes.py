@@ -16,7 +16,11 @@ import psutil
 
 
 class NotFound(LookupError):
-    """No process could be found; the message says why (and what to pass instead)."""
+    """No process could be found; the message says why (reason) and, for vLLM, what to pass instead."""
+
+    def __init__(self, reason: str, vllm_hint: str = ""):
+        super().__init__(f"{reason}; {vllm_hint}" if vllm_hint else reason)
+        self.reason = reason
 
 
 class Locator(Protocol):
@@ -24,6 +28,11 @@ class Locator(Protocol):
 
     def pids(self) -> frozenset[int]:
         """Host pids of every process of the engine; raises NotFound, saying why, when there is none."""
+        ...
+
+    def listeners(self) -> frozenset[int]:
+        """The processes among pids() that may answer the URL themselves (a worker is one of them);
+        raises NotFound as pids() does."""
         ...
 
     def forget(self) -> None:
@@ -71,17 +80,17 @@ def listening_pid(url: str) -> int:
     targets = _resolve(host)
     if not targets & local_addresses() and not any(ipaddress.ip_address(t).is_loopback for t in targets):
         raise NotFound(f"{host} ({', '.join(sorted(targets))}) is no address of this network namespace: "
-                       "the server listens in another one; give its pid (--vllm URL=PID)")
+                       "the server listens in another one", "give its pid (--vllm URL=PID)")
     try:
         connections = psutil.net_connections(kind="tcp")
     except psutil.AccessDenied as e:
-        raise NotFound(f"no permission to list sockets ({e}); give the pid (--vllm URL=PID)") from e
+        raise NotFound(f"no permission to list sockets ({e})", "give the pid (--vllm URL=PID)") from e
     listeners = {c.pid for c in connections if c.status == psutil.CONN_LISTEN and c.laddr
                  and c.laddr.port == port and _serves(c.laddr.ip, targets)}
     visible = listeners - {None}
     if not visible and listeners:  # a socket whose owner /proc hides from us
         raise NotFound(f"port {port} is open but its process is not visible (permissions, or another pid "
-                       "namespace); give its pid (--vllm URL=PID)")
+                       "namespace)", "give its pid (--vllm URL=PID)")
     if not visible:
         raise NotFound(f"no process listens on port {port}")
     # Several processes may share one listening socket (forked servers): the oldest is the parent.
@@ -128,18 +137,26 @@ class PortLocator:
 
     def pids(self) -> frozenset[int]:
         """Every process of the server; raises NotFound with the reason when there is none."""
-        if self._pid is None or _create_time(self._pid) != self._created:  # gone, or the pid reused
-            self._pid = self.explicit_pid if self.explicit_pid is not None else listening_pid(self.url)
-            self._created = _create_time(self._pid)
-            self._tree_at = float("-inf")
+        root = self._root()
         if self._clock() - self._tree_at >= TREE_MAX_AGE:
-            self._tree, self._tree_at = process_tree(self._pid), self._clock()
+            self._tree, self._tree_at = process_tree(root), self._clock()
         if not self._tree:
             self.forget()
             if self.explicit_pid is not None:
                 raise NotFound(f"the given pid {self.explicit_pid} does not exist")
             raise NotFound(f"the process listening on {self.url} exited")
         return self._tree
+
+    def listeners(self) -> frozenset[int]:
+        """The process listening on the port (or the given pid), without its descendants."""
+        return frozenset([self._root()])
+
+    def _root(self) -> int:
+        if self._pid is None or _create_time(self._pid) != self._created:  # gone, or the pid reused
+            self._pid = self.explicit_pid if self.explicit_pid is not None else listening_pid(self.url)
+            self._created = _create_time(self._pid)
+            self._tree_at = float("-inf")
+        return self._pid
 
     def forget(self) -> None:
         """The server stopped answering: look for its process again at the next read."""

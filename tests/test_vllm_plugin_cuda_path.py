@@ -24,12 +24,24 @@ TARGET_W, DRAFT_W, ACTIVATIONS, WORKSPACES, GRAPHS = 8 * MiB, 2 * MiB, 64 * MiB,
 NEIGHBOUR_GROWTH = 256 * MiB
 
 
-def run_scenario(scenario: str, tmp_path: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    out = subprocess.run([str(vllm_peer.vllm_python()), str(ROOT / "tests" / "vllm_cuda_path.py"), scenario],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def start_scenario(scenario: str, tmp_path: Path, *args: str, sizing: str = "vllm") -> subprocess.Popen:
+    """tests/vllm_cuda_path.py SCENARIO ARGS in the vLLM venv, the plugin's sizing set to `sizing`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+               VRAMLEDGER_VLLM_SIZING=sizing)
+    return subprocess.Popen([str(vllm_peer.vllm_python()), str(ROOT / "tests" / "vllm_cuda_path.py"), scenario,
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path)
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    """The scenario's result, with "log" (its stdout and stderr); it must have started."""
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+    return dict(json.loads(out.strip().splitlines()[-1]), log=out + err)
+
+
+def run_scenario(scenario: str, tmp_path: Path, *args: str, sizing: str = "vllm") -> dict:
+    return finish(start_scenario(scenario, tmp_path, *args, sizing=sizing))
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +105,30 @@ def test_draft_loaded_after_vllm_sized_its_budget_is_outside_it(draft_after_prof
     assert ledger["profile"]["non_torch_process_bytes"] == e["non_torch", ""]["bytes"]  # no neighbour
 
 
-def test_the_recorded_ledgers_are_what_the_plugin_answers(neighbour, draft_after_profile):
+@pytest.fixture(scope="module")
+def neighbour_own_process(tmp_path_factory):
+    return run_scenario("neighbour", tmp_path_factory.mktemp("neighbour-own"), sizing="own-process")
+
+
+def test_the_recorded_ledgers_are_what_the_plugin_answers(neighbour, draft_after_profile, neighbour_own_process):
     # tests/data/vllm_ledger_cuda_*.json feed the exporter's tests: they must stay what the plugin says.
-    for name, run in (("neighbour", neighbour), ("draft_after_profile", draft_after_profile)):
+    for name, run in (("neighbour", neighbour), ("draft_after_profile", draft_after_profile),
+                      ("neighbour_own_process", neighbour_own_process)):
         doc = json.loads((ROOT / "tests" / "data" / f"vllm_ledger_cuda_{name}.json").read_text())
         [recorded] = doc["ranks"]
         assert (doc["version"], doc["engine"]) == (1, "vllm")
-        for key in ("entries", "budget", "declared_bytes", "kv_cache", "profile", "device"):
+        for key in ("entries", "budget", "declared_bytes", "kv_cache", "profile", "sizing", "device"):
             assert run["ledger"][key] == recorded[key], (name, key)
+
+
+def test_a_graph_capture_only_measuring_is_not_the_graphs_memory(tmp_path):
+    # vLLM's V2 runner estimates its graphs' memory with capture_model(profile_only=True) and throws
+    # them away; only the capture that keeps them is the cuda_graph entry.
+    run = run_scenario("v2_runner", tmp_path)
+    before, after = entries(run["ledger_before_capture"]), entries(run["ledger"])
+    assert run["ledger"]["errors"] == []
+    assert ("cuda_graph", "") not in before  # the estimate's capture ran, and was not noted
+    assert run["ledger_before_capture"]["profile"]["cuda_graph_estimate_bytes"] == GRAPHS
+    assert (after["cuda_graph", ""]["bytes"], after["cuda_graph", ""]["in_budget"]) == (GRAPHS, True)
+    assert run["device"]["torch_reserved"] - run["ledger"]["kv_cache"]["blocks_total"] * run["ledger"][
+        "kv_cache"]["bytes_per_block"] == TARGET_W + DRAFT_W + GRAPHS  # one pool of graphs kept

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
+from exporter.engines.bounds import OutOfBounds, check_state
 from exporter.engines.fetch import HttpClient
 from exporter.engines.lifecycle import Lifecycle, Reading
 from exporter.engines.vllm import VllmEngine
@@ -37,13 +38,20 @@ def parse_vllm_arg(text: str) -> tuple[str, int | None]:
 
 
 def read_one(engine: Engine) -> Reading:
-    """engine.read() as a Reading; an adapter's own fault is a wrong reading, never raised."""
+    """engine.read() as a Reading, its values within bounds; an adapter's own fault, or a value beyond
+    bounds, is a wrong reading, never raised."""
     try:
-        return Reading(Status.SERVING, engine.read())
+        state = engine.read()
+        check_state(state)
+        return Reading(Status.SERVING, state)
+    except OutOfBounds as e:
+        return Reading(Status.WRONG, reason=f"{engine.url}: {e}", counted=True)
     except NotServing as e:
-        return Reading(e.status, reason=str(e), wrong_kind=isinstance(e, Wrong) and e.wrong_kind)
+        return Reading(e.status, reason=str(e), wrong_kind=isinstance(e, Wrong) and e.wrong_kind,
+                       counted=e.counted)
     except Exception as e:  # noqa: BLE001 - one adapter's bug must not hide the other engines
-        return Reading(Status.WRONG, reason=f"exporter fault reading {engine.url}: {type(e).__name__}: {e}")
+        return Reading(Status.WRONG, reason=f"exporter fault reading {engine.url}: {type(e).__name__}: {e}",
+                       counted=True)
 
 
 @dataclass
@@ -81,7 +89,7 @@ class Engines:
         self._client = client  # closed with the engines
         self.timeout = timeout
         self._watches: dict[str, _Watch] = {}
-        self.aliases: set[str] = set()  # URLs that reach the same processes as a watched one
+        self._aliases: dict[str, str] = {}  # URL -> the URL whose processes it reaches, left out meanwhile
         self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="engine-read")
         for engine in engines:
             self.add(engine)
@@ -104,12 +112,12 @@ class Engines:
         return [w.engine for w in self._watches.values()]
 
     def add(self, engine: Engine) -> None:
-        """Watch one more engine (one the API lists, say); an alias of a watched one is not watched."""
-        if engine.url not in self.aliases:
-            self._watches[engine.url] = _Watch(engine, Lifecycle(engine.kind, engine.url))
+        """Watch one more engine (one the API lists, say)."""
+        self._watches[engine.url] = _Watch(engine, Lifecycle(engine.kind, engine.url))
 
     def remove(self, url: str) -> None:
         watch = self._watches.pop(url, None)
+        self._aliases.pop(url, None)
         if watch is not None:
             watch.engine.close()
 
@@ -123,31 +131,52 @@ class Engines:
         readings: dict[str, Reading] = {}
         for url, watch in self._watches.items():
             if watch.pending is not None and watch.pending.done():
-                reading, watch.pending = watch.pending.result(), None
+                readings[url], watch.pending = watch.pending.result(), None
             else:  # left running: the next scrape takes its answer rather than asking again
-                reading = Reading(Status.UNREACHABLE, reason=f"{url}: no answer within {wait_s:g} s")
+                readings[url] = Reading(Status.UNREACHABLE, reason=f"{url}: no answer within {wait_s:g} s")
+        aliases = self._settle_claims(readings)
+        for url, reading in readings.items():
+            watch = self._watches[url]
             watch.lifecycle.update(reading)
-            if reading.status is Status.WRONG:
+            if reading.counted:
                 self._errors.count(watch.engine.source)
-            readings[url] = reading
-        return self._without_aliases(readings)
+        self._follow_aliases(aliases)
+        return {url: reading for url, reading in readings.items() if url not in aliases}
 
-    def _without_aliases(self, readings: dict[str, Reading]) -> dict[str, Reading]:
-        # Two URLs of one server (127.0.0.1 and localhost, say) would publish its memory twice, and
-        # one of them with no process of its own: the later URL is dropped, once, saying so.
-        owner: dict[int, str] = {}
-        for url, reading in list(readings.items()):
-            pids = reading.state.pids if reading.state is not None else frozenset()
-            first = next((owner[pid] for pid in pids if pid in owner), None)
-            if first is None:
-                owner.update(dict.fromkeys(pids, url))
-                continue
-            log.warning("%s reaches the same processes as %s: watching that server once, as %s", url, first,
-                        first)
-            self.aliases.add(url)
-            self.remove(url)
-            del readings[url]
-        return readings
+    @staticmethod
+    def _settle_claims(readings: dict[str, Reading]) -> dict[str, str]:
+        """Gives each process to one engine, in this scrape; returns the aliases, URL -> the URL whose
+        processes it reaches.
+
+        Pids found behind an engine's port come first (in watching order), then pids only claimed. A
+        claim of a process found behind another engine's port is refused: that engine is wrong. Two
+        engines whose processes were both found there (127.0.0.1 and localhost), or were both only
+        claimed, are one server under two URLs: the later is left out, and read again next scrape.
+        """
+        states = {url: r.state for url, r in readings.items() if r.state is not None}
+        owner: dict[int, tuple[str, bool]] = {}  # pid -> (URL, only claimed)
+        aliases: dict[str, str] = {}
+        for url, state in sorted(states.items(), key=lambda item: item[1].claimed):  # stable: found first
+            taken = [owner[pid] for pid in sorted(state.pids) if pid in owner]
+            if not taken:
+                owner.update(dict.fromkeys(state.pids, (url, state.claimed)))
+            elif state.claimed and not taken[0][1]:
+                readings[url] = Reading(Status.WRONG, counted=True, reason=(
+                    f"{url}: claims pids {', '.join(map(str, sorted(state.pids)))}, found behind "
+                    f"{taken[0][0]}'s port: refused"))
+            else:
+                aliases[url] = taken[0][0]
+        return aliases
+
+    def _follow_aliases(self, aliases: dict[str, str]) -> None:
+        """One line when a URL becomes another's alias, one when it stops being one."""
+        for url, first in aliases.items():
+            if self._aliases.get(url) != first:
+                log.warning("%s reaches the same processes as %s: watching that server once, as %s", url,
+                            first, first)
+        for url in self._aliases.keys() - aliases.keys():
+            log.info("%s no longer reaches the processes of %s: watched again", url, self._aliases[url])
+        self._aliases = aliases
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

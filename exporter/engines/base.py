@@ -35,6 +35,9 @@ class EngineState:
     declared_bytes: int | None = None  # a fixed declaration, whatever the device (a ledger's total)
     declared_share: float | None = None  # or a share of the total memory of each device it uses
     ranks: tuple[RankLedger, ...] = ()  # or its ledger per rank, each on its device (published too)
+    # True where pids are only the engine's word: no process behind its port (or in its pod) could be
+    # seen to check them against. Pids found there are the engine's before any such claim.
+    claimed: bool = False
 
     def declared_on(self, device: DeviceMemory) -> int | None:
         """What it declares on one device; None when it declares nothing there."""
@@ -68,8 +71,10 @@ class Status(str, Enum):
 
 
 class NotServing(Exception):
-    """The engine is not serving now: `status` says in which other state, the message why."""
+    """The engine is not serving now: `status` says in which other state, the message why; `counted`
+    whether it is a fault (vramledger_exporter_errors_total), not a state an engine passes through."""
     status: Status
+    counted = False
 
 
 class Loading(NotServing):
@@ -79,9 +84,14 @@ class Loading(NotServing):
 class Unreachable(NotServing):
     status = Status.UNREACHABLE
 
+    def __init__(self, message: str, counted: bool = False):
+        super().__init__(message)
+        self.counted = counted  # an answer begun but not finished in time: up, and failing
+
 
 class Wrong(NotServing):
     status = Status.WRONG
+    counted = True
 
     def __init__(self, message: str, wrong_kind: bool = False):
         super().__init__(message)

@@ -20,6 +20,7 @@ class Reading:
     state: EngineState | None = None  # set when serving
     reason: str = ""
     wrong_kind: bool = False  # another kind of engine; the reason names the flag to watch it with
+    counted: bool = False  # a fault, counted in vramledger_exporter_errors_total (every wrong reading)
 
 
 class Lifecycle:

@@ -19,6 +19,22 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class Sizing:
+    """How a vLLM rank sized its KV cache (the plugin's VRAMLEDGER_VLLM_SIZING): what each arithmetic
+    charged its budget before the KV cache, and the one that ran."""
+    ran: str  # "vllm" or "own-process"
+    fallback: str  # why own-process sizing was asked for and vLLM's ran; "" when it was not
+    vllm_charged_bytes: int
+    own_process_bytes: int | None  # None where NVML could not see the rank's process
+    charged_bytes: int  # the one that ran
+
+    @property
+    def foreign_charged_bytes(self) -> int | None:
+        """What the rank charged beyond its own process's memory: other processes' memory."""
+        return None if self.own_process_bytes is None else max(0, self.charged_bytes - self.own_process_bytes)
+
+
+@dataclass(frozen=True)
 class RankLedger:
     """One rank: a process holding memory on one device, and what its ledger says it holds there."""
     rank: int
@@ -27,7 +43,12 @@ class RankLedger:
     declared_bytes: int
     entries: tuple[Entry, ...]
     budget_bytes: int | None = None  # what it sized its KV cache against; None when given a KV size
-    foreign_charged_bytes: int | None = None  # other processes' memory it charged itself; None unmeasured
+    sizing: Sizing | None = None  # None where no profile run sized the KV cache
+
+    @property
+    def foreign_charged_bytes(self) -> int | None:
+        """Other processes' memory the rank charged itself; None unmeasured."""
+        return None if self.sizing is None else self.sizing.foreign_charged_bytes
 
     def on(self, device: DeviceMemory) -> bool:
         """Whether the rank's memory is on this device: the host for a CPU rank, a GPU by its UUID."""

@@ -9,6 +9,7 @@ its VLLM_CPU_KVCACHE_SPACE that way, and a share of the host is no budget anyway
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from exporter.engines.bounds import OutOfBounds, shown
 from exporter.engines.fetch import HttpClient, fetch
 from exporter.engines.vllm_ledger import LedgerReader
 from exporter.errors import ErrorLog
@@ -26,6 +28,9 @@ SOURCE = "vllm"
 # The only series read; a vLLM /metrics is ~60 KB, mostly histograms, so the other lines are skipped
 # unparsed (found with bytes.find rather than split: a tenth of the cost).
 CONFIG, KV_USAGE = "vllm:cache_config_info", "vllm:kv_cache_usage_perc"
+# The longest of those lines parsed (vLLM's config line is about 1 KB): the text parser reads a
+# character at a time, so a megabyte label would cost the exporter seconds of CPU each scrape.
+MAX_LINE = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ def sample_lines(text: bytes, names: tuple[str, ...]) -> list[str]:
             end = text.find(b"\n", start + 1)
             line = text[start + 1:None if end < 0 else end]
             if line[len(start_of) - 1:len(start_of)] in (b"{", b" "):  # not a longer name
+                if len(line) > MAX_LINE:
+                    raise OutOfBounds(f"a {name} line of {len(line)} bytes, beyond {MAX_LINE}")
                 found.append(line.decode("utf-8", "replace"))
             start = text.find(start_of, start + 1)
     return found
@@ -100,9 +107,12 @@ def _number(text: str | None, kind):
     if text in (None, "", "None"):
         return None
     try:
-        return kind(float(text)) if kind is int else kind(text)
+        number = float(text)
     except ValueError:
         return None
+    if not math.isfinite(number):  # a value, but none a server could hold (and no int)
+        raise OutOfBounds(f"{shown(text)} is no finite number")
+    return kind(number)
 
 
 class VllmEngine:

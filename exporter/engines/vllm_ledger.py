@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 
 from exporter.engines.base import Loading, NotServing, Unreachable
+from exporter.engines.bounds import shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
-from exporter.engines.ranks import Entry, RankLedger
+from exporter.engines.ranks import Entry, RankLedger, Sizing
 from exporter.engines.vramledger import LedgerError, is_int, parse_ledger
 from exporter.errors import ErrorLog
 
@@ -33,8 +34,8 @@ def _rank(url: str, doc: object) -> RankLedger:
     ledger = parse_ledger(url, doc)  # each rank is a ledger of docs/ledger.md
     assert isinstance(doc, dict)  # parse_ledger has checked it
     rank, entries = doc.get("rank"), doc.get("entries")
-    if not is_int(rank) or rank < 0:
-        raise LedgerError(f"bad rank {rank!r}")
+    if not is_int(rank) or rank < 0:  # its upper bound is checked with the others' (engines/bounds.py)
+        raise LedgerError(f"bad rank {shown(rank)}")
     if not isinstance(entries, list):
         raise LedgerError(f"rank {rank}: no list of entries")
     uuid = doc["device"].get("uuid")
@@ -42,7 +43,7 @@ def _rank(url: str, doc: object) -> RankLedger:
     size = budget.get("bytes") if isinstance(budget, dict) else None
     return RankLedger(rank, ledger.device_kind, uuid if isinstance(uuid, str) and uuid else None,
                       ledger.declared_bytes, tuple(_entry(rank, e) for e in entries),
-                      size if is_int(size) and size >= 0 else None, _foreign_charged(doc.get("profile")))
+                      size if is_int(size) and size >= 0 else None, _sizing(rank, doc.get("sizing")))
 
 
 def _entry(rank: int, doc: object) -> Entry:
@@ -50,23 +51,25 @@ def _entry(rank: int, doc: object) -> Entry:
         raise LedgerError(f"rank {rank}: an entry that is no object")
     component, model, size, in_budget = (doc.get(k) for k in ("component", "model", "bytes", "in_budget"))
     if not isinstance(component, str) or not component or not isinstance(model, str):
-        raise LedgerError(f"rank {rank}: bad entry {doc!r}")
+        raise LedgerError(f"rank {rank}: bad entry {shown(doc)}")
     if not is_int(size) or size < 0:
-        raise LedgerError(f"rank {rank}: bad bytes in entry {doc!r}")
+        raise LedgerError(f"rank {rank}: bad bytes in entry {shown(doc)}")
     if in_budget is not None and not isinstance(in_budget, bool):
-        raise LedgerError(f"rank {rank}: bad in_budget in entry {doc!r}")
+        raise LedgerError(f"rank {rank}: bad in_budget in entry {shown(doc)}")
     return Entry(component, model, size, in_budget)
 
 
-def _foreign_charged(profile: object) -> int | None:
-    """vLLM's non-torch increase over its profile run, read from the device's free memory, above its
-    process's own non-torch growth (NVML): what other processes allocated meanwhile, charged to vLLM."""
-    if not isinstance(profile, dict):
-        return None  # no profile run (the CPU backend)
-    device, own = profile.get("non_torch_increase_bytes"), profile.get("non_torch_process_bytes")
-    if not (is_int(device) and is_int(own)):
-        return None  # the rank could not read its own growth (no NVML)
-    return max(0, device - max(0, own))
+def _sizing(rank: int, doc: object) -> Sizing | None:
+    """The rank's sizing (docs/vllm.md); None where no profile run sized its KV cache, or a plugin
+    older than the block."""
+    if not isinstance(doc, dict) or doc.get("ran") is None:
+        return None
+    ran, fallback, vllm, own, charged = (doc.get(k) for k in ("ran", "fallback", "vllm_charged_bytes",
+                                                              "own_process_bytes", "charged_bytes"))
+    if ran not in ("vllm", "own-process") or not (fallback is None or isinstance(fallback, str)) \
+            or not is_int(vllm) or not (own is None or is_int(own)) or not is_int(charged) or charged not in (vllm, own):
+        raise LedgerError(f"rank {rank}: bad sizing {doc!r}")
+    return Sizing(ran, fallback or "", vllm, own, charged)
 
 
 class LedgerReader:
@@ -92,7 +95,8 @@ class LedgerReader:
             ranks = ()
             self._say("absent" if e.status_code == 404 else "wrong")
         except (Loading, Unreachable) as e:  # a busy or stopping engine: asked again next scrape
-            self._errors.note(SOURCE, f"ledger_unanswered {self.url}", f"{e} (asked again next scrape)")
+            note = self._errors.record if e.counted else self._errors.note  # counted: it answered too slowly
+            note(SOURCE, f"ledger_unanswered {self.url}", f"{e} (asked again next scrape)")
             return ()
         except (NotServing, ValueError) as e:  # not JSON, not the plugin's document
             self._errors.record(SOURCE, f"bad_ledger {self.url}", f"{self.url}{PATH}: not vLLM's ledger: {e}")

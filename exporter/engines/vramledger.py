@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TypeGuard
 
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from exporter.engines.bounds import MAX_BYTES, MAX_LABEL, is_pid, shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from exporter.errors import ErrorLog
-from exporter.processes import HostPidResolver
+from exporter.processes import TREE_MAX_AGE, HostPidResolver, Locator, NotFound, PortLocator
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +47,16 @@ def parse_ledger(url: str, doc: object) -> WorkerLedger:
         raise LedgerError("missing 'worker' or 'device'")
     pid, host_pid, declared = worker.get("pid"), worker.get("host_pid"), doc.get("declared_bytes")
     container_id, kind = worker.get("container_id"), device.get("kind")
-    if not is_int(pid) or pid <= 0:
-        raise LedgerError(f"bad worker.pid {pid!r}")
-    if host_pid is not None and (not is_int(host_pid) or host_pid <= 0):
-        raise LedgerError(f"bad worker.host_pid {host_pid!r}")
-    if container_id is not None and not isinstance(container_id, str):
-        raise LedgerError(f"bad worker.container_id {container_id!r}")
-    if not is_int(declared) or declared < 0:
-        raise LedgerError(f"bad declared_bytes {declared!r}")
+    if not is_int(pid) or not is_pid(pid):
+        raise LedgerError(f"bad worker.pid {shown(pid)}")
+    if host_pid is not None and (not is_int(host_pid) or not is_pid(host_pid)):
+        raise LedgerError(f"bad worker.host_pid {shown(host_pid)}")
+    if container_id is not None and not (isinstance(container_id, str) and len(container_id) <= MAX_LABEL):
+        raise LedgerError(f"bad worker.container_id {shown(container_id)}")
+    if not is_int(declared) or not 0 <= declared <= MAX_BYTES:
+        raise LedgerError(f"bad declared_bytes {shown(declared)}")
     if kind not in ("cuda", "cpu"):
-        raise LedgerError(f"bad device.kind {kind!r}")
+        raise LedgerError(f"bad device.kind {shown(kind)}")
     models = doc.get("models")
     target = models.get("target") if isinstance(models, dict) else None
     return WorkerLedger(url, pid, host_pid, container_id or None, kind, declared,
@@ -82,27 +85,53 @@ class VramledgerEngine:
     kind, source = KIND, SOURCE
 
     def __init__(self, url: str, client: HttpClient, errors: ErrorLog,
-                 resolver: HostPidResolver | None = None):
+                 resolver: HostPidResolver | None = None, locator: Locator | None = None):
         self.url = url.rstrip("/")
         self._client = client
         self._errors = errors
         self._resolver = resolver or HostPidResolver()
+        self._locator = locator or PortLocator(self.url)  # its listeners: the processes its pid must be one of
         self._versions: dict[int, str] = {}  # worker pid -> its version
+        self._unchecked_at = float("-inf")  # when its port's process was last found out of sight
 
     def read(self) -> EngineState:
-        ledger = self.read_ledger()
+        try:
+            ledger = self.read_ledger()
+        except NotServing:
+            self._locator.forget()  # a restarted worker listens from another process
+            raise
         return self.state(ledger, self._version(ledger.pid))
 
     def state(self, ledger: WorkerLedger, version: str = "") -> EngineState:
-        """The engine state a ledger tells: its host pid, declared bytes, KV usage and model."""
+        """The engine state a ledger tells: its host pid, declared bytes, KV usage and model. The pid is
+        refused (Wrong) unless it is a process behind the worker's port, where those can be seen."""
         pid = self._resolver.host_pid(ledger.pid, ledger.host_pid, ledger.container_id)
         if pid is None:
             self._errors.record(SOURCE, f"pid_unresolved {self.url}",
                                 f"{self.url}: no host process is pid {ledger.pid} of container "
                                 f"{ledger.container_id} (is the exporter in the host pid namespace?)")
+        behind = self._behind_port()
+        if pid is not None and behind is not None and pid not in behind:
+            raise Wrong(f"{self.url}: its ledger claims pid {pid}, which is not behind its port (that is pid "
+                        f"{', '.join(map(str, sorted(behind)[:8]))})")
         info = EngineInfo(KIND, version, ledger.model)
         return EngineState(frozenset() if pid is None else frozenset([pid]), info, ledger.kv_usage,
-                           declared_bytes=ledger.declared_bytes)
+                           declared_bytes=ledger.declared_bytes, claimed=behind is None)
+
+    def _behind_port(self) -> frozenset[int] | None:
+        """The process listening on the worker's port (the worker serves HTTP itself; in a pod, any of
+        its processes); None where it cannot be seen (another network namespace, say): then its
+        ledger's pid is taken at its word."""
+        if time.monotonic() - self._unchecked_at < TREE_MAX_AGE:  # not looked for on every scrape
+            return None
+        try:
+            return _not_forwarded(self._locator.listeners())
+        except (NotFound, ValueError) as e:
+            if self._unchecked_at == float("-inf"):  # once: a lasting fact of the deployment, no fault
+                log.info("vramledger %s: its pid taken from its ledger, unchecked: %s", self.url,
+                         e.reason if isinstance(e, NotFound) else e)
+            self._unchecked_at = time.monotonic()
+            return None
 
     def read_ledger(self) -> WorkerLedger:
         """GET /v1/memory, parsed; raises NotServing."""
@@ -139,6 +168,24 @@ class VramledgerEngine:
                 version = ""
             self._versions = {pid: version}
         return self._versions[pid]
+
+
+# Processes that listen on a published port and pass its connections on to a server in a container
+# (Docker's userland proxy, rootless Podman's and containerd's): the worker is behind them, out of sight.
+PORT_FORWARDERS = frozenset({"docker-proxy", "rootlessport", "slirp4netns", "pasta"})
+
+
+def _not_forwarded(listeners: frozenset[int]) -> frozenset[int]:
+    """The listeners, or NotFound when a port forwarder listens: a worker watched at its published port
+    is as out of sight as one in another network namespace, not a liar."""
+    for pid in listeners:
+        try:
+            name = psutil.Process(pid).name()
+        except psutil.Error:
+            continue
+        if name in PORT_FORWARDERS:
+            raise NotFound(f"its port is published by {name} (pid {pid}), which forwards to the worker")
+    return listeners
 
 
 def _info_version(text: str) -> str:

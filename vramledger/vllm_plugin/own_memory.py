@@ -1,80 +1,54 @@
-"""This process's own memory on its device: RSS on the CPU, NVML's count for its pid on CUDA.
+"""This process's own memory on its device: RSS on the CPU, NVML's count for its pid on CUDA
+(vramledger/own_memory.py, the reader the worker uses too).
 
-Never the device's free memory: a neighbour's allocations must not move it.
+Never the device's free memory: a neighbour's allocations must not move it. Where NVML cannot see
+this process, read() raises OwnMemoryUnseen (the reader's one failure): the ledger leaves the figure
+out, saying why.
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import psutil
 
-from vramledger import nvml_devices
-from vramledger.identity import host_pid
+from vramledger.own_memory import OwnDeviceMemory, OwnMemoryUnseen
 
-log = logging.getLogger("vllm.plugins.vramledger")
+__all__ = ["OwnMemory", "OwnMemoryUnseen"]
 
 
 class OwnMemory:
-    """Reads the bytes this process holds on one device; read() is None where the device cannot say."""
+    """The bytes this process holds on one device ("cpu" or "cuda")."""
 
     def __init__(self, kind: str, index: int = 0, uuid: str | None = None):
         self.kind = kind
         self._process = psutil.Process()
-        self._nvml = self._handle = None
-        if kind == "cuda":
-            self._nvml, self._handle = _nvml_handle(index, uuid)
-        self._pids = {os.getpid(), host_pid()} - {None}  # NVML lists host pids
+        self._device = OwnDeviceMemory.open(_pynvml(), index, uuid) if kind == "cuda" else None
 
     @property
     def source(self) -> str | None:
-        if self.kind == "cpu":
+        """What read() gives: "rss", "nvml", or None where NVML has no device to read."""
+        if self._device is None:
             return "rss"
-        return "nvml" if self._handle is not None else None
+        return "nvml" if self._device.handle is not None else None
 
-    def read(self) -> int | None:
-        if self.kind == "cpu":
+    def read(self) -> int:
+        """Bytes held now; raises OwnMemoryUnseen where NVML cannot see this process."""
+        if self._device is None:
             return self._process.memory_info().rss
-        if self._handle is None:
-            return None
-        try:
-            procs = nvml_devices.memory_by_pid(self._nvml, self._handle)
-        except Exception as e:  # a lost GPU, an old driver: the entry is absent, vLLM runs on
-            log.debug("vramledger: NVML cannot list the processes of the device: %s", e)
-            return None
-        used = [used for pid, used in procs.items() if pid in self._pids]
-        known = [n for n in used if n is not None]
-        if not used or len(known) < len(used):  # our pid is not visible to NVML, or the driver cannot say
-            return None
-        return sum(known)
+        return self._device.read()
 
     def device_name(self) -> str | None:
-        if self._nvml is None or self._handle is None:
-            return None
-        try:
-            return nvml_devices.text(self._nvml.nvmlDeviceGetName(self._handle))
-        except Exception:
-            return None
+        return self._device.device_name() if self._device is not None else None
 
     def device_uuid(self) -> str | None:
-        if self._nvml is None or self._handle is None:
-            return None
-        try:
-            return nvml_devices.text(self._nvml.nvmlDeviceGetUUID(self._handle))
-        except Exception:
-            return None
+        return self._device.device_uuid() if self._device is not None else None
 
 
-def _nvml_handle(index: int, uuid: str | None):
-    """(pynvml, handle of our device), matched by UUID where torch gives one; (None, None) without NVML."""
+def _pynvml():
+    """nvidia-ml-py's module, else the copy vLLM vendors; None where neither imports."""
     try:
+        import pynvml
+    except ImportError:
         try:
-            import pynvml as nvml  # nvidia-ml-py
+            from vllm.third_party import pynvml
         except ImportError:
-            from vllm.third_party import pynvml as nvml
-        nvml.nvmlInit()
-        return nvml, nvml_devices.find_handle(nvml, index, uuid)
-    except Exception as e:
-        log.warning("vramledger: NVML cannot say what this process holds on cuda:%d (%s); "
-                    "the ledger has no runtime entry and no live process memory", index, e)
-        return None, None
+            return None
+    return pynvml

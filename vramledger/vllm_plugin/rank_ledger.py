@@ -11,6 +11,7 @@ import time
 from vramledger.identity import ProcessIdentity
 from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION, SCOPE_DEVICE, SCOPE_PROCESS
 from vramledger.vllm_plugin.record import StartupRecord
+from vramledger.vllm_plugin.sizing import OWN_PROCESS, own_charge
 from vramledger.vllm_plugin.tensors import model_bytes, storage_bytes
 
 _identity: ProcessIdentity | None = None
@@ -20,7 +21,7 @@ def document(worker, record: StartupRecord) -> dict:
     """The rank's ledger as JSON-ready data (sent back through vLLM's collective_rpc)."""
     entries = _entries(worker, record)
     declared = sum(e["bytes"] for e in entries)
-    process = record.memory.read() if record.memory is not None else None
+    process = record.read_own()
     kv = next((e["bytes"] for e in entries if e["component"] == "kv_cache"), 0)
     cache_config = worker.cache_config
     return {
@@ -41,6 +42,7 @@ def document(worker, record: StartupRecord) -> dict:
                      "capacity_tokens": record.blocks_total * record.block_size,
                      "sized_bytes": record.kv_cache_sized_bytes},
         "profile": _profile(record),
+        "sizing": record.sizing.to_dict(),
         "live": {"process_bytes": process, "process_source": record.memory.source if record.memory else None,
                  "declared_bytes": declared,
                  "unaccounted_bytes": None if process is None else max(0, process - declared),
@@ -70,7 +72,12 @@ def _entries(worker, record: StartupRecord) -> list[dict]:
             add("kernels", held.kernel_copies, SCOPE_PROCESS, in_budget=counted, model=name)
     if record.profile is not None:
         add("activation_peak", record.profile.peak_headroom_bytes, SCOPE_PROCESS, in_budget=True)
-        add("non_torch", record.profile.non_torch_increase_bytes, SCOPE_DEVICE, in_budget=True)
+        p = record.profile
+        own = own_charge(p.torch_increase_bytes, p.process_growth_bytes) if record.sizing.ran == OWN_PROCESS else None
+        if own is not None:  # what was charged: this process's own
+            add("non_torch", own[1], SCOPE_PROCESS, in_budget=True)
+        else:
+            add("non_torch", record.profile.non_torch_increase_bytes, SCOPE_DEVICE, in_budget=True)
     if record.cuda_graph_bytes is not None:
         add("cuda_graph", record.cuda_graph_bytes, SCOPE_DEVICE, in_budget=record.cuda_graph_estimate_counted)
     if record.blocks_total:

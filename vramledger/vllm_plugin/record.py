@@ -1,9 +1,13 @@
 """What one vLLM worker measured while it started, kept for its ledger."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
-from vramledger.vllm_plugin.own_memory import OwnMemory
+from vramledger.vllm_plugin.own_memory import OwnMemory, OwnMemoryUnseen
+from vramledger.vllm_plugin.sizing import Sizing
+
+log = logging.getLogger("vllm.plugins.vramledger")
 
 
 @dataclass
@@ -44,4 +48,19 @@ class StartupRecord:
     cuda_graph_bytes: int | None = None  # the free memory the capture took (device)
     block_size: int = 0
     blocks_total: int = 0
+    sizing: Sizing = field(default_factory=Sizing.from_environment)
+    own_memory_unseen: str | None = None  # why NVML could not see this process, the first time it could not
     errors: list[str] = field(default_factory=list)  # a hook that failed: its entry stays absent
+
+    def read_own(self) -> int | None:
+        """This process's memory now; None (the reason kept, and logged once) where it cannot be seen."""
+        if self.memory is None:
+            return None
+        try:
+            return self.memory.read()
+        except OwnMemoryUnseen as e:
+            if self.own_memory_unseen is None:
+                self.own_memory_unseen = str(e)
+                log.warning("vramledger: %s; the ledger leaves out what it would read there (the runtime entry, "
+                            "the process's growth, its live memory)", e)
+            return None

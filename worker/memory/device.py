@@ -12,7 +12,8 @@ import psutil
 import torch
 
 from vramledger import nvml_devices
-from vramledger.identity import host_pid, in_host_pid_namespace, proc_status_field
+from vramledger.identity import in_host_pid_namespace, proc_status_field
+from vramledger.own_memory import OwnDeviceMemory, OwnMemoryUnseen
 from vramledger.processes import ProcessMemory
 
 log = logging.getLogger(__name__)
@@ -187,11 +188,9 @@ class CudaDevice(Device):
         # bf16 is native from Ampere (sm_80) on; earlier GPUs only emulate it, slowly.
         self.dtype = torch.bfloat16 if props.major >= 8 else torch.float16
         torch.cuda.mem_get_info(index)  # creates the CUDA context now, so "runtime" includes it
-        self._own_pids = {pid for pid in (os.getpid(), host_pid()) if pid is not None}
         self._warned: set[str] = set()
-        self._nvml = _init_nvml(nvml)
-        self._handle = self._find_handle(props) if self._nvml else None
-        self.uuid = self._nvml_uuid() or next(iter(nvml_devices.uuid_spellings(_torch_uuid(props))), None)
+        self._own = OwnDeviceMemory.open(_import_nvml(nvml), index, _torch_uuid(props), _pci_bus_id(props))
+        self.uuid = self._own.device_uuid() or next(iter(nvml_devices.uuid_spellings(_torch_uuid(props))), None)
 
     def total_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.index)[1]
@@ -200,24 +199,21 @@ class CudaDevice(Device):
         return torch.cuda.mem_get_info(self.index)[0]
 
     def process_bytes(self) -> int:
-        procs = self._nvml_processes()
-        mine = [used for pid, used in (procs or {}).items() if pid in self._own_pids]
-        known = [used for used in mine if used is not None]
-        if mine and len(known) == len(mine):
-            return sum(known)
-        if procs is None:
-            reason = "NVML cannot list this GPU's processes"
-        elif not mine:
-            reason = f"NVML does not list our pid {sorted(self._own_pids)} (another pid namespace?)"
-        else:
-            reason = "NVML does not report per-process memory on this GPU"
-        return self._estimated_process_bytes(procs or {}, reason)
+        procs: dict[int, int | None] = {}
+        try:
+            procs = self._own.processes()
+            return self._own.own_of(procs)
+        except OwnMemoryUnseen as e:  # the worker needs a number: it estimates, and says so once
+            return self._estimated_process_bytes(procs, str(e))
 
     def process_peak_bytes(self) -> int:
         return self.process_bytes()
 
     def other_processes(self) -> list[ProcessMemory]:
-        others = {pid: used for pid, used in (self._nvml_processes() or {}).items() if pid not in self._own_pids}
+        try:
+            others = self._own.others(self._own.processes())
+        except OwnMemoryUnseen:
+            return []  # process_bytes() says why, once
         found = [ProcessMemory(pid, self._process_name(pid), used, "nvml") for pid, used in others.items()]
         return sorted(found, key=lambda p: -(p.bytes or 0))
 
@@ -242,38 +238,9 @@ class CudaDevice(Device):
         torch.cuda.empty_cache()
 
     # --- NVML ---
-    def _find_handle(self, props):
-        """The NVML handle of torch's device `index`: by UUID, else PCI bus id, else CUDA_VISIBLE_DEVICES."""
-        bus_id = None
-        if getattr(props, "pci_bus_id", None) is not None:
-            bus_id = "%08X:%02X:%02X.0" % (getattr(props, "pci_domain_id", 0) or 0, props.pci_bus_id,
-                                          getattr(props, "pci_device_id", 0) or 0)
-        try:
-            return nvml_devices.find_handle(self._nvml, self.index, _torch_uuid(props), bus_id)
-        except Exception as e:
-            self._warn_once("handle", "cannot map cuda:%d to an NVML device (%s); "
-                            "process memory will be estimated", self.index, e)
-            return None
-
-    def _nvml_uuid(self) -> str | None:
-        try:
-            return nvml_devices.text(self._nvml.nvmlDeviceGetUUID(self._handle)) if self._handle else None
-        except Exception:
-            return None
-
-    def _nvml_processes(self) -> dict[int, int | None] | None:
-        """Memory by pid of every process on our GPU; None when NVML cannot say."""
-        if self._handle is None:
-            return None
-        try:
-            return nvml_devices.memory_by_pid(self._nvml, self._handle)
-        except Exception as e:
-            self._warn_once("procs", "NVML cannot list processes on cuda:%d: %s", self.index, e)
-            return None
-
     def _process_name(self, pid: int) -> str:
         try:
-            return os.path.basename(nvml_devices.text(self._nvml.nvmlSystemGetProcessName(pid))) or "?"
+            return os.path.basename(nvml_devices.text(self._own.nvml.nvmlSystemGetProcessName(pid))) or "?"
         except Exception:
             pass
         try:  # NVML reports host pids: only trust psutil for pids of our own namespace
@@ -288,7 +255,7 @@ class CudaDevice(Device):
                         "(device used minus attributed processes) and may include other processes",
                         reason, self.index)
         free, total = torch.cuda.mem_get_info(self.index)
-        others = sum(used or 0 for pid, used in procs.items() if pid not in self._own_pids)
+        others = sum(used or 0 for pid, used in procs.items() if pid not in self._own.pids)
         return max(self.torch_reserved_bytes(), total - free - others)
 
     def _warn_once(self, key: str, message: str, *args) -> None:
@@ -297,16 +264,22 @@ class CudaDevice(Device):
             log.warning(message, *args)
 
 
-def _init_nvml(nvml):
-    """The pynvml module, initialised; None (logged) where NVML is not available."""
-    try:
-        if nvml is None:
-            import pynvml as nvml
-        nvml.nvmlInit()
+def _import_nvml(nvml):
+    """The pynvml module (nvidia-ml-py), None where it is not installed."""
+    if nvml is not None:
         return nvml
-    except Exception as e:
-        log.warning("NVML is not available (%s); process memory will be estimated from cudaMemGetInfo", e)
+    try:
+        import pynvml
+    except ImportError:
         return None
+    return pynvml
+
+
+def _pci_bus_id(props) -> str | None:
+    if getattr(props, "pci_bus_id", None) is None:
+        return None
+    return "%08X:%02X:%02X.0" % (getattr(props, "pci_domain_id", 0) or 0, props.pci_bus_id,
+                                 getattr(props, "pci_device_id", 0) or 0)
 
 
 def _torch_uuid(props) -> str | None:

@@ -1,0 +1,87 @@
+"""Physical bounds on what an engine says, checked before any of it becomes a sample.
+
+An engine's answer is another process's word, and the exporter republishes it: a byte count no
+memory could hold (10**400 does not even convert to a float, and would fail the whole exposition), a
+pid the kernel never gives, a 600 KB label with newlines. Each is refused: that engine is wrong for the
+scrape, its error counted, and nothing it said is published.
+"""
+from __future__ import annotations
+
+import math
+
+from exporter.engines.base import EngineState
+from exporter.engines.ranks import RankLedger
+
+MAX_BYTES = 1 << 50  # 1 PiB: above the memory of any device or host an engine runs on
+PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT on 64-bit: the most /proc/sys/kernel/pid_max allows
+MAX_LABEL = 256  # characters of a label value an engine names (a model path, a version, a component)
+MAX_RANKS = 1024  # ranks of one server's ledger, and the highest rank number
+MAX_ENTRIES = 256  # entries of one rank's ledger (each a series)
+_SHOWN = 60  # characters of a refused value a message repeats
+
+
+class OutOfBounds(ValueError):
+    """A value no engine could truthfully say."""
+
+
+def shown(value: object) -> str:
+    """repr(value), clipped: a message repeats at most _SHOWN characters of what an engine sent."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 1 << 64 else f"a {value.bit_length()}-bit int"
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
+
+
+def check_bytes(value: int | None, what: str) -> None:
+    if value is not None and not 0 <= value <= MAX_BYTES:
+        raise OutOfBounds(f"{what} {shown(value)} is beyond 0..{MAX_BYTES} (1 PiB)")
+
+
+def is_pid(value: int) -> bool:
+    return 0 < value <= PID_MAX
+
+
+def check_label(value: str, what: str) -> None:
+    if len(value) > MAX_LABEL or not value.isprintable():
+        raise OutOfBounds(f"{what} {shown(value)} is no label value (at most {MAX_LABEL} printable characters, "
+                          "no newline or control character)")
+
+
+def check_fraction(value: float | None, what: str, low_open: bool = False) -> None:
+    """A fraction in [0, 1] ((0, 1] with low_open); None passes."""
+    if value is not None and not (math.isfinite(value) and (0 < value if low_open else 0 <= value) and value <= 1):
+        raise OutOfBounds(f"{what} {shown(value)} is no fraction in {'(0' if low_open else '[0'}, 1]")
+
+
+def check_state(state: EngineState) -> None:
+    """Raises OutOfBounds for the first value of an engine's state beyond its bounds."""
+    for pid in state.pids:
+        if not is_pid(pid):
+            raise OutOfBounds(f"pid {shown(pid)} is beyond the kernel's 1..{PID_MAX}")
+    check_label(state.info.version, "version")
+    check_label(state.info.model, "model")
+    check_fraction(state.kv_usage, "KV cache usage")
+    check_bytes(state.declared_bytes, "declared_bytes")
+    check_fraction(state.declared_share, "declared share of the device", low_open=True)
+    if len(state.ranks) > MAX_RANKS:
+        raise OutOfBounds(f"{len(state.ranks)} ranks, beyond {MAX_RANKS}")
+    for rank in state.ranks:
+        _check_rank(rank)
+
+
+def _check_rank(rank: RankLedger) -> None:
+    if not 0 <= rank.rank < MAX_RANKS:
+        raise OutOfBounds(f"rank {shown(rank.rank)} is beyond 0..{MAX_RANKS - 1}")
+    where = f"rank {rank.rank}:"
+    check_label(rank.device_uuid or "", f"{where} device uuid")
+    check_bytes(rank.declared_bytes, f"{where} declared_bytes")
+    check_bytes(rank.budget_bytes, f"{where} budget")
+    if rank.sizing is not None:
+        check_label(rank.sizing.fallback, f"{where} sizing fallback")
+        check_bytes(rank.sizing.vllm_charged_bytes, f"{where} vLLM's charge")
+        check_bytes(rank.sizing.own_process_bytes, f"{where} its process's own charge")
+        check_bytes(rank.sizing.charged_bytes, f"{where} the charge that ran")
+    if len(rank.entries) > MAX_ENTRIES:
+        raise OutOfBounds(f"{where} {len(rank.entries)} entries, beyond {MAX_ENTRIES}")
+    for entry in rank.entries:
+        check_label(entry.component, f"{where} component")
+        check_label(entry.model, f"{where} model")
+        check_bytes(entry.bytes, f"{where} {entry.component[:MAX_LABEL]} bytes")
