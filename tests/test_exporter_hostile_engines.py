@@ -307,7 +307,7 @@ def vllm_text(old: str, new: str) -> bytes:
 ], ids=["utilization-1e400", "utilization-nan", "utilization-1e30", "kv-size-1e400", "kv-usage-inf",
         "model-600KB"])
 def test_a_vllm_metrics_text_beyond_bounds(monkeypatch, engine_server, metrics):
-    url = engine_server({"/metrics": metrics, "/version": b'{"version": "0.32.0"}'})
+    url = engine_server({"/metrics": metrics, "/version": b'{"version": "0.32.0"}', "/health": b""})
     found = beside_a_worker(monkeypatch, lambda errors: VllmEngine(url, HttpClient(5), errors, PortLocator(url)))
     assert_only_that_engine_is_wrong(*found, source="vllm")
 
@@ -329,7 +329,7 @@ def plugin_ledger(change) -> bytes:
 ], ids=["entry-1e400", "component-newline", "model-600KB", "rank-1e30", "foreign-1e400", "budget-1e30",
         "entries-many"])
 def test_a_vllm_plugin_ledger_beyond_bounds(monkeypatch, engine_server, change):
-    url = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}',
+    url = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}', "/health": b"",
                          "/vramledger/memory": plugin_ledger(change)})
     found = beside_a_worker(monkeypatch, lambda errors: VllmEngine(url, HttpClient(5), errors, PortLocator(url)))
     assert_only_that_engine_is_wrong(*found, source="vllm")
@@ -338,7 +338,7 @@ def test_a_vllm_plugin_ledger_beyond_bounds(monkeypatch, engine_server, change):
 def test_the_same_engines_within_bounds_serve(monkeypatch, engine_server):
     # The cases above are refused for their one value: unchanged, each source serves.
     worker = engine_server({"/v1/memory": worker_ledger(lambda d: None)})
-    vllm = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}',
+    vllm = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}', "/health": b"",
                           "/vramledger/memory": plugin_ledger(lambda r: None)})
     for make in (lambda errors: VramledgerEngine(worker, HttpClient(5), errors),
                  lambda errors: VllmEngine(vllm, HttpClient(5), errors, PortLocator(vllm))):

@@ -79,12 +79,13 @@ def test_garbage_or_another_server_is_no_vllm_text():
 # --- the process tree of a server, found by its port ------------------------------------------
 
 def start_tree(spawn, text: str, tmp_path, ranks: int = 1, host: str = "127.0.0.1",  # noqa: F811
-               ledger: Path | None = None):
+               ledger: Path | None = None, engine_dead: bool = False):
     """A real API server -> engine core -> ranks tree serving `text` (and the vLLM plugin's `ledger`
-    document); returns (api, core, ranks, url)."""
+    document; /health 503 with engine_dead); returns (api, core, ranks, url)."""
     path = tmp_path / f"metrics-{ranks}-{len(list(tmp_path.iterdir()))}.txt"
     path.write_text(text)
     extra = ["--ledger", str(ledger)] if ledger is not None else []
+    extra += ["--engine-dead"] if engine_dead else []
     api = spawn([PY, str(HERE / "vllm_tree.py"), str(path), "--ranks", str(ranks), "--host", host, *extra],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = read_line(api)

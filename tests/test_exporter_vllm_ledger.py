@@ -26,7 +26,7 @@ from test_exporter_vllm import HERE, MODEL, SPEC_RECORDED, gpu_text, start_tree
 from exporter.engines import VllmEngine
 from exporter.engines.fetch import HttpClient
 from exporter.engines.ranks import Entry
-from exporter.engines.vllm_ledger import LedgerReader, parse_ranks
+from exporter.engines.vllm_ledger import NO_LEDGER, LedgerReader, parse_ranks
 from exporter.engines.vramledger import LedgerError
 from exporter.errors import ErrorLog
 from exporter.processes import PortLocator
@@ -262,7 +262,7 @@ def test_an_engine_that_gives_no_ledger_now_is_asked_again_uncounted():
     server, url = serve_status(503)
     client, errors = CountingClient(5), ErrorLog()
     reader = LedgerReader(url, client, errors)
-    assert [reader.read(frozenset([1])) for _ in range(2)] == [(), ()]
+    assert [reader.read(frozenset([1])) for _ in range(2)] == [NO_LEDGER, NO_LEDGER]
     assert client.asked.count("vramledger/memory") == 2  # not kept: it may answer next scrape
     assert errors.counts() == {}
     client.close()

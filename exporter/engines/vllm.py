@@ -16,7 +16,7 @@ from functools import lru_cache
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from exporter.engines.base import EngineInfo, EngineState, Loading, NotServing, Unreachable, Wrong
 from exporter.engines.bounds import OutOfBounds, shown
 from exporter.engines.fetch import HttpClient, fetch
 from exporter.engines.vllm_ledger import LedgerReader
@@ -116,8 +116,8 @@ def _number(text: str | None, kind):
 
 
 class VllmEngine:
-    """Reads one vLLM server each scrape: GET /metrics, and its processes by port (or a given pid); its
-    ledger (GET /vramledger/memory) once per process tree.
+    """Reads one vLLM server each scrape: GET /metrics and /health, and its processes by port (or a given
+    pid); its ledger (GET /vramledger/memory) once per process tree.
 
     A server that is not serving says why through NotServing (a vLLM that is still loading does not
     accept connections yet: unreachable). Processes that cannot be found are counted in
@@ -136,6 +136,7 @@ class VllmEngine:
     def read(self) -> EngineState:
         try:
             metrics = self.read_metrics()
+            self.check_health()
         except NotServing:
             self._locator.forget()
             self._ledger.forget()
@@ -146,8 +147,9 @@ class VllmEngine:
         except (NotFound, ValueError) as e:
             self._errors.record(SOURCE, f"no_process {self.url}", f"{self.url}: {e}")
             pids = frozenset()
+        ledger = self._ledger.read(pids)
         return EngineState(pids, EngineInfo(KIND, self._read_version(), metrics.model), metrics.kv_usage,
-                           declared_share=metrics.declared_share, ranks=self._ledger.read(pids))
+                           declared_share=metrics.declared_share, ranks=ledger.ranks, processes=ledger.processes)
 
     def read_metrics(self) -> VllmMetrics:
         """GET /metrics, parsed; raises NotServing."""
@@ -160,6 +162,20 @@ class VllmEngine:
                             f"{self.url} (in a cluster: pod label vramledger.io/engine: vramledger)",
                             wrong_kind=True) from None
             raise Wrong(f"{self.url}/metrics: {e}") from None
+
+    def check_health(self) -> None:
+        """GET /health; raises NotServing where vLLM says its engine is not healthy.
+
+        vLLM's API server answers /metrics whatever its engine core does, but /health asks the engine
+        client: 503 once the engine core has died (vllm/entrypoints/serve/instrumentator/health.py:
+        EngineDeadError), until the API server exits (its watchdog, within 5 s; never with
+        VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1). Such a server serves nothing: it is down, not loading (a vLLM
+        that is loading accepts no connection yet).
+        """
+        try:
+            fetch(self._client, self.url + "/health")
+        except Loading as e:
+            raise Unreachable(f"{self.url}/health answered 503: its engine core is dead ({e})") from None
 
     def close(self) -> None:
         pass
