@@ -1,6 +1,6 @@
-"""The vLLM plugin's declaration of a server's processes besides its ranks (server_processes.py), over
-real processes: this test's process stands for vLLM's API server, its children for the engine core
-(titled as vLLM titles it), a rank and a helper."""
+"""The vLLM plugin's host memory, over real processes: the declaration of a server's processes besides
+its ranks (server_processes.py; this test's process stands for vLLM's API server, its children for the
+engine core, titled as vLLM titles it, a rank and a helper), and a CPU rank's own memory."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from vramledger.procfs import read_pss
+from vramledger.vllm_plugin.own_memory import OwnMemory
 from vramledger.vllm_plugin.server_processes import at_ready, declarations
 
 MiB = 1 << 20
@@ -78,3 +79,12 @@ def test_a_pid_reused_by_another_process_is_not_declared(children):
     reborn = snapshot.__class__(**{**snapshot.__dict__, "started": snapshot.started - 1})  # another start time
     assert declarations([reborn], frozenset()) == []
     assert [d["pid"] for d in declarations([snapshot], frozenset())] == [child.pid]
+
+
+def test_a_rank_on_the_cpu_measures_its_own_memory_as_the_exporter_does():
+    """The plugin's rank ledger reads its process's PSS (its runtime entry, its live memory), the host
+    reader's measure: not its RSS, which counts shared pages whole, above what the exporter sees."""
+    memory = OwnMemory("cpu")
+    assert memory.source == "pss"
+    held, pss, rss = memory.read(), read_pss(os.getpid()), psutil.Process().memory_info().rss
+    assert abs(held - pss) < 4 * MiB and held < rss
