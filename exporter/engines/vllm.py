@@ -1,9 +1,11 @@
-"""A vLLM server: its /metrics (vllm:* series), the process tree behind its port, what it declares.
+"""A vLLM server: its /metrics (vllm:* series), its /health, the process tree behind its port, what it
+declares.
 
-vLLM's API server starts an engine-core process (and, with tensor parallelism, one worker per rank);
-those children hold the device memory, so the whole tree is the worker. With the vLLM plugin enabled
-it declares its ledger, rank by rank (vllm_ledger.py). Without it, its budget is vLLM V1's own rule:
-gpu_memory_utilization x the total memory of each device it uses. With an explicit
+vLLM's API server starts an engine-core process (and, with tensor parallelism or on vLLM's CPU build,
+one worker per rank); those children hold the device memory, so the whole tree is the worker. With the
+vLLM plugin enabled it declares its ledger, rank by rank, and its other processes' host memory
+(vllm_ledger.py). Without it, its budget is vLLM V1's own rule: gpu_memory_utilization x the total
+memory of each device it uses. With an explicit
 kv_cache_memory_bytes that budget is unknown and nothing is declared; vLLM's CPU backend reports
 its VLLM_CPU_KVCACHE_SPACE that way, and a share of the host is no budget anyway.
 """
