@@ -335,6 +335,17 @@ def test_a_vllm_plugin_ledger_beyond_bounds(monkeypatch, engine_server, change):
     assert_only_that_engine_is_wrong(*found, source="vllm")
 
 
+@pytest.mark.parametrize("process", [{"role": "api_server", "pid": 1, "bytes": 10 ** 30},
+                                     {"role": "engine_core", "pid": 10 ** 9, "bytes": 1}],
+                         ids=["process-bytes-1e30", "process-pid-1e9"])
+def test_a_vllm_servers_processes_beyond_bounds(monkeypatch, engine_server, process):
+    ledger = json.dumps(load(NEIGHBOUR) | {"processes": [process]}).encode()
+    url = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}', "/health": b"",
+                         "/vramledger/memory": ledger})
+    found = beside_a_worker(monkeypatch, lambda errors: VllmEngine(url, HttpClient(5), errors, PortLocator(url)))
+    assert_only_that_engine_is_wrong(*found, source="vllm")
+
+
 def test_the_same_engines_within_bounds_serve(monkeypatch, engine_server):
     # The cases above are refused for their one value: unchanged, each source serves.
     worker = engine_server({"/v1/memory": worker_ledger(lambda d: None)})
