@@ -20,7 +20,15 @@ import pytest
 import yaml
 from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
 from test_rules import ALERT_RULES, PROM, RULE_FILES, _promtool
-from test_vllm_plugin_real import DRAFT, TARGET, cache_config_info, plugin_site, python_path, running_vllm  # noqa: F401
+from test_vllm_plugin_real import (  # noqa: F401
+    DRAFT,
+    TARGET,
+    cache_config_info,
+    plugin_env,
+    plugin_site,
+    python_path,
+    running_vllm,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -43,6 +51,17 @@ def server(tmp_path_factory, plugin_site):  # noqa: F811
            "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
     with running_vllm(tmp_path_factory, "whole", env, draft=DRAFT) as running:
         yield running
+
+
+def test_vllm_imports_this_checkouts_plugin(plugin_site, tmp_path):  # noqa: F811
+    """The vLLM venv may hold another install of the plugin: the server below must run this one's."""
+    code = "import vramledger.vllm_plugin.server_processes as m; print(m.__file__)"
+    out = subprocess.run([str(vllm_peer.vllm_python()), "-c", code], capture_output=True, text=True,
+                         env=plugin_env(plugin_site), cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = Path(out.stdout.strip().splitlines()[-1])
+    for name in ("server_processes.py", "endpoint.py", "own_memory.py", "rank_ledger.py"):
+        assert (imported.parent / name).read_bytes() == (ROOT / "vramledger" / "vllm_plugin" / name).read_bytes()
 
 
 def completions(url: str, n: int) -> None:
