@@ -90,7 +90,8 @@ def promtool_cases(path: Path, samples: list, url: str, without_processes: tuple
         "rule_files": [str(p) for p in RULE_FILES], "evaluation_interval": "1m",
         "tests": [
             {"interval": "1m", "external_labels": external, "input_series": series,
-             "alert_rule_test": [{"eval_time": "15m", "alertname": name, "exp_alerts": []} for name in ALERT_RULES]},
+             "alert_rule_test": [{"eval_time": "15m", "alertname": name, "exp_alerts": []}
+                                 for name in ALERT_RULES]},
             {"interval": "1m", "external_labels": external, "input_series": before,
              "promql_expr_test": [{"expr": ALERT_RULES[UNACCOUNTED]["expr"], "eval_time": "15m", "exp_samples": [
                  {"labels": "vramledger_worker_unaccounted_memory_bytes"
@@ -124,8 +125,10 @@ def test_no_alert_fires_on_a_healthy_server_with_the_plugin(server, spawn, tmp_p
     declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
     at_ready = sum(p["bytes"] for p in processes.values())
     assert declared == rank["declared_bytes"] + at_ready
-    by_role = {s.labels["role"]: s.value for s in find(samples, "vramledger_worker_process_declared_bytes", worker=url)}
-    assert by_role["api_server"] == processes[api.pid]["bytes"] and by_role["engine_core"] == processes[core.pid]["bytes"]
+    by_role = {s.labels["role"]: s.value
+               for s in find(samples, "vramledger_worker_process_declared_bytes", worker=url)}
+    assert by_role["api_server"] == processes[api.pid]["bytes"]
+    assert by_role["engine_core"] == processes[core.pid]["bytes"]
     observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
     unaccounted = one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host")
     assert unaccounted == max(0, observed - declared)

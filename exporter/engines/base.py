@@ -61,7 +61,8 @@ class EngineState:
             return self.declared_bytes
         if self.ranks:  # the other processes' host memory where the host is read (the host reader)
             on_host = any(dev.device == HOST for dev in used)
-            return sum(r.declared_bytes for r in self.ranks) + (sum(p.bytes for p in self.processes) if on_host else 0)
+            others = sum(p.bytes for p in self.processes) if on_host else 0
+            return sum(r.declared_bytes for r in self.ranks) + others
         shares = [self.declared_on(dev) for dev in used]
         known = [share for share in shares if share is not None]
         return sum(known) if known and len(known) == len(shares) else None

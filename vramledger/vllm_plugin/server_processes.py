@@ -25,7 +25,8 @@ from vramledger.procfs import host_memory, read_start
 
 API_SERVER, ENGINE_CORE, OTHER = SERVER_ROLES
 READY = "ready"  # when a declaration was measured: once the server was ready, before its first request
-ENGINE_CORE_TITLE = "VLLM::EngineCore"  # the process title vLLM's engine core sets (EngineCore_DP<n> with data parallelism)
+# The process title vLLM's engine core sets (vllm/v1/engine/core.py; EngineCore_DP<n> with data parallelism).
+ENGINE_CORE_TITLE = "VLLM::EngineCore"
 
 
 @dataclass(frozen=True)
