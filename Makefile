@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps run test lint bench vllm-venv
+.PHONY: setup system-deps run test lint bench vllm-venv plugin-wheel
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,6 +30,10 @@ test: setup system-deps lint
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+
+# The vLLM plugin alone, for vLLM's environment: dist/vramledger_vllm_plugin-VERSION-py3-none-any.whl.
+plugin-wheel:
+	python3 scripts/plugin_wheel.py dist
 
 # vLLM's CPU build in a venv of its own (VLLM_VENV, default .venv-vllm): the peer in bench/ and the
 # vLLM end-to-end tests, which run when it exists and are skipped, saying why, when it does not.

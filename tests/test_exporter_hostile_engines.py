@@ -323,11 +323,12 @@ def plugin_ledger(change) -> bytes:
     lambda r: r["entries"][0].update(component="kv\ncache"),
     lambda r: r["entries"][0].update(model=LONG_NAME),
     lambda r: r.update(rank=10 ** 30),
-    lambda r: r["profile"].update(non_torch_increase_bytes=10 ** 400),
+    lambda r: r["sizing"].update(vllm_charged_bytes=10 ** 400, charged_bytes=10 ** 400),
+    lambda r: r["sizing"].update(fallback=LONG_NAME),
     lambda r: r["budget"].update(bytes=10 ** 30),
     lambda r: r.update(entries=r["entries"] * 1000),
-], ids=["entry-1e400", "component-newline", "model-600KB", "rank-1e30", "foreign-1e400", "budget-1e30",
-        "entries-many"])
+], ids=["entry-1e400", "component-newline", "model-600KB", "rank-1e30", "charge-1e400", "fallback-600KB",
+        "budget-1e30", "entries-many"])
 def test_a_vllm_plugin_ledger_beyond_bounds(monkeypatch, engine_server, change):
     url = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}', "/health": b"",
                          "/vramledger/memory": plugin_ledger(change)})

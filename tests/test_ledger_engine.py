@@ -13,8 +13,11 @@ from random_models import make_checkpoint
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
+from worker.http.prompt_bounds import PromptBound, body_limit
+from worker.http.settings import ServerSettings
 from worker.kernels import blocked_linear, paged_attention
 from worker.memory.profiler import module_tensor_bytes
+from worker.models.loader import load_tokenizer
 from worker.models.packed_linear import ROW_BUCKETS
 
 GiB = 1 << 30
@@ -170,6 +173,14 @@ def test_server_entry_holds_every_request_admission_lets_in(checkpoints):
     for doc in (few, many):
         assert entry(doc, "server") > 0
         assert doc["declared_bytes"] == doc["budget"]["bytes"] == sum(e["bytes"] for e in doc["entries"])
+
+
+def test_server_entry_holds_the_bodies_being_received(checkpoints):
+    """Each body the server reads before parsing (--max-receiving-bodies of them) may be at the body limit."""
+    one = json.loads(profile("--json", "--max-receiving-bodies", "1", checkpoints=checkpoints).stdout)
+    many = json.loads(profile("--json", "--max-receiving-bodies", "513", checkpoints=checkpoints).stdout)
+    limit = body_limit(PromptBound.of(load_tokenizer(checkpoints["llama"])), 256, ServerSettings().max_body_bytes)
+    assert entry(many, "server") - entry(one, "server") > 0.8 * 512 * limit
 
 
 def test_engine_alone_declares_no_server(checkpoints):

@@ -1,6 +1,7 @@
 """Hostile input against a real server: strings no tokenizer can encode, and prompts far too long.
 Each is refused with a 4xx in the OpenAI shape, the connection it came on keeps serving, and what a
 refused request allocated goes back: the ledger finds the process where it was."""
+import gzip
 import json
 import random
 import statistics
@@ -142,3 +143,48 @@ def test_50_refused_oversized_prompts_leave_the_ledger_as_it_was_and_delay_no_on
     assert after["process_bytes"] - before["process_bytes"] < 8 << 20, (before, after)
     assert after["unaccounted_bytes"] <= before["unaccounted_bytes"] + (8 << 20)
     assert statistics.median(ratios) < 2, sorted(ratios)
+
+
+# Bodies that could be read two ways: each refused naming the problem, never served with a guess.
+REPEATED_KEYS = {
+    "top level": ("/v1/completions", b'{"model": "llama-chat", "prompt": "hi", "max_tokens": 1, '
+                                     b'"max_tokens": 40, "ignore_eos": true}', "max_tokens"),
+    "in a message": ("/v1/chat/completions", b'{"model": "llama-chat", "max_tokens": 1, "messages": '
+                                             b'[{"role": "user", "content": "hi", "content": "bye"}]}', "content"),
+    "in stream_options": ("/v1/completions", b'{"model": "llama-chat", "prompt": "hi", "max_tokens": 1, "stream": '
+                                             b'true, "stream_options": {"include_usage": true, '
+                                             b'"include_usage": false}}', "include_usage"),
+    "in an unsupported field": ("/v1/completions", b'{"model": "llama-chat", "prompt": "hi", "max_tokens": 1, '
+                                                   b'"logit_bias": {"5": 1, "5": -100}}', "5"),
+}
+
+
+@pytest.mark.parametrize("where", REPEATED_KEYS)
+def test_a_key_repeated_in_any_object_is_400_naming_it(spec_server, where):
+    path, raw, key = REPEATED_KEYS[where]
+    error = check_4xx(httpx.post(spec_server.url + path, content=raw, headers=JSON, timeout=60), 400)
+    assert error["code"] == "duplicate_key" and repr(key) in error["message"], error
+
+
+def test_max_tokens_and_max_completion_tokens_that_disagree_are_400(spec_server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    refused = httpx.post(spec_server.url + "/v1/chat/completions", timeout=60,
+                         json={**chat, "max_tokens": 1, "max_completion_tokens": 5})
+    error = check_4xx(refused, 400)
+    assert error["code"] == "conflicting_parameters" and "max_tokens=1" in error["message"], error
+    agreeing = httpx.post(spec_server.url + "/v1/chat/completions", timeout=60,
+                          json={**chat, "max_tokens": 3, "max_completion_tokens": 3})
+    assert agreeing.status_code == 200 and agreeing.json()["usage"]["completion_tokens"] == 3, agreeing.text
+
+
+@pytest.mark.parametrize("encoding", ["br", "gzip", "identity, gzip"])
+def test_a_body_in_a_content_encoding_the_server_does_not_decode_is_415(spec_server, encoding):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    raw = gzip.compress(body) if "gzip" in encoding else body  # br: plain JSON that says it is not
+    refused = httpx.post(spec_server.url + "/v1/completions", content=raw, timeout=60,
+                         headers={**JSON, "Content-Encoding": encoding})
+    error = check_4xx(refused, 415)
+    assert error["code"] == "unsupported_content_encoding" and encoding in error["message"], error
+    plain = httpx.post(spec_server.url + "/v1/completions", content=body, timeout=60,
+                       headers={**JSON, "Content-Encoding": "identity"})
+    assert plain.status_code == 200, plain.text

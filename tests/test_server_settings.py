@@ -20,6 +20,15 @@ def test_flags_reach_the_settings():
     assert (s.api_key, s.max_waiting, s.served_model_name, s.drain_timeout) == ("k", 3, "coder", 2.5)
 
 
+def test_intake_flags_reach_the_settings_and_bad_values_are_refused():
+    s = settings("--keep-alive-timeout", "2", "--header-timeout", "3", "--body-timeout", "4.5",
+                 "--max-receiving-bodies", "6")
+    assert (s.keep_alive_timeout, s.header_timeout, s.body_timeout, s.max_receiving_bodies) == (2, 3, 4.5, 6)
+    for flags in (("--max-receiving-bodies", "0"), ("--header-timeout", "0"), ("--body-timeout", "-1")):
+        with pytest.raises(ValueError, match=flags[0]):
+            settings(*flags)
+
+
 def test_the_environment_sets_the_key_and_metrics_and_the_key_flag_wins():
     assert settings(VRAMLEDGER_API_KEY="from-env").api_key == "from-env"
     assert settings("--api-key", "from-flag", VRAMLEDGER_API_KEY="from-env").api_key == "from-flag"

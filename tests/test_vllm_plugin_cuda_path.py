@@ -120,3 +120,16 @@ def test_the_recorded_ledgers_are_what_the_plugin_answers(neighbour, draft_after
         assert (doc["version"], doc["engine"]) == (1, "vllm")
         for key in ("entries", "budget", "declared_bytes", "kv_cache", "profile", "sizing", "device"):
             assert run["ledger"][key] == recorded[key], (name, key)
+
+
+def test_a_graph_capture_only_measuring_is_not_the_graphs_memory(tmp_path):
+    # vLLM's V2 runner estimates its graphs' memory with capture_model(profile_only=True) and throws
+    # them away; only the capture that keeps them is the cuda_graph entry.
+    run = run_scenario("v2_runner", tmp_path)
+    before, after = entries(run["ledger_before_capture"]), entries(run["ledger"])
+    assert run["ledger"]["errors"] == []
+    assert ("cuda_graph", "") not in before  # the estimate's capture ran, and was not noted
+    assert run["ledger_before_capture"]["profile"]["cuda_graph_estimate_bytes"] == GRAPHS
+    assert (after["cuda_graph", ""]["bytes"], after["cuda_graph", ""]["in_budget"]) == (GRAPHS, True)
+    assert run["device"]["torch_reserved"] - run["ledger"]["kv_cache"]["blocks_total"] * run["ledger"][
+        "kv_cache"]["bytes_per_block"] == TARGET_W + DRAFT_W + GRAPHS  # one pool of graphs kept

@@ -11,7 +11,8 @@ profile step, allocates the KV cache, captures graphs). Between them runs vLLM's
 Worker.__init__, init_device (the CUDA branch), load_model, determine_available_memory (its start
 snapshot, request_memory, memory_profiling and the budget arithmetic), initialize_from_config and
 compile_or_warm_up_model.
-Prints {"ledger": <the rank's ledger>, "device": <what FakeCuda saw>} as JSON.
+Prints {"ledger": <the rank's ledger>, "device": <what FakeCuda saw>, "ledger_before_capture": <the
+ledger once the KV cache exists, before the graph capture>, ...} as JSON.
 
 Scenarios (VRAMLEDGER_VLLM_SIZING in the environment picks the plugin's sizing):
 - "alone": nothing else moves on the device while vLLM starts;
@@ -23,6 +24,9 @@ Scenarios (VRAMLEDGER_VLLM_SIZING in the environment picks the plugin's sizing):
   (another pid namespace);
 - "draft_after_profile": the draft loads only after vLLM sized its KV cache: its weights are
   outside the budget, as in vLLM V0;
+- "v2_runner": as "alone", with the stand-in runner estimating graph memory as vLLM's V2 runner
+  does (vllm/v1/worker/gpu/cudagraph_utils.py: a capture_model(profile_only=True) whose graphs are
+  thrown away); the other scenarios' runner estimates as the V1 runner, without capture_model;
 - "pair": one of two vLLM instances on one 8 GiB device, started at the same moment: the other is
   a second process of this script (--peer DIR, the directory they share; --slot, which one this
   is). Each publishes its memory there, so each one's free memory and NVML see the other's, and
@@ -176,8 +180,8 @@ class StandInRunner:
     is_pooling_model = False
     lora_config = None
 
-    def __init__(self, cuda: FakeCuda, draft_after_profile: bool, neighbour_growth: int):
-        self.cuda, self.draft_after_profile = cuda, draft_after_profile
+    def __init__(self, cuda: FakeCuda, draft_after_profile: bool, neighbour_growth: int, v2: bool = False):
+        self.cuda, self.draft_after_profile, self.v2 = cuda, draft_after_profile, v2
         self.neighbour_growth = neighbour_growth
         self.model = self.draft = None
         self.kv_caches: list[torch.Tensor] = []
@@ -222,16 +226,19 @@ class StandInRunner:
             self.draft = self._load(2 * MiB)
 
     def profile_cudagraph_memory(self) -> int:
-        free = self.cuda.free()
-        self.cuda.allocate(16 * MiB)  # graphs captured into a pool, measured, then released
-        measured = free - self.cuda.free()
+        if self.v2:
+            measured = self.capture_model(profile_only=True)
+        else:
+            free = self.cuda.free()
+            self.cuda.allocate(16 * MiB)  # graphs captured into a pool, measured, then released
+            measured = free - self.cuda.free()
         self.cuda.release(16 * MiB)
         self.cuda.empty_cache()
         return measured
 
-    def capture_model(self) -> int:
+    def capture_model(self, *, profile_only: bool = False) -> int:
         free = self.cuda.free()
-        self.cuda.allocate(16 * MiB)  # the graph pool, kept
+        self.cuda.allocate(16 * MiB)  # the graph pool, kept unless only measuring
         return free - self.cuda.free()
 
     def _dummy_run(self, num_tokens: int, **kwargs):
@@ -264,6 +271,7 @@ SCENARIOS = {
     "neighbour_frees": (4 * GiB, 512 * MiB, -256 * MiB, True),
     "unseen": (4 * GiB, 512 * MiB, 256 * MiB, False),
     "draft_after_profile": (4 * GiB, 512 * MiB, 0, True),
+    "v2_runner": (4 * GiB, 512 * MiB, 0, True),
     "pair": (8 * GiB, 0, 0, True),
     "pair_alone": (8 * GiB, 0, 0, True),
 }
@@ -291,7 +299,8 @@ def run(scenario: str, utilization: float = 0.5, peer: Peer | None = None) -> di
 
     class FakeDeviceWorker(Worker):
         def _make_model_runner(self):
-            return StandInRunner(cuda, scenario == "draft_after_profile", neighbour_growth=growth)
+            return StandInRunner(cuda, scenario == "draft_after_profile", neighbour_growth=growth,
+                                 v2=scenario == "v2_runner")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -303,8 +312,9 @@ def run(scenario: str, utilization: float = 0.5, peer: Peer | None = None) -> di
         worker.load_model()
         available = worker.determine_available_memory()
         worker.initialize_from_config(kv_cache_config(available))
+        before_capture = getattr(worker, RPC_METHOD)()
         worker.compile_or_warm_up_model()
-    return {"ledger": getattr(worker, RPC_METHOD)(), "device": {k: v for k, v in vars(cuda).items() if k != "peer"}, "available": available,
+    return {"ledger": getattr(worker, RPC_METHOD)(), "ledger_before_capture": before_capture, "device": {k: v for k, v in vars(cuda).items() if k != "peer"}, "available": available,
             "requested_memory": worker.requested_memory}
 
 

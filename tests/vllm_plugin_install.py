@@ -1,9 +1,9 @@
-"""This project installed for vLLM's venv as docs/vllm.md tells users (`pip install --no-deps`).
+"""The vLLM plugin installed for vLLM's venv as docs/vllm.md tells users: its own wheel (scripts/plugin_wheel.py).
 
-`make test` installs this checkout into vLLM's venv (scripts/vllm_venv.sh); the tests use that install
-when it is this checkout's, file for file. Otherwise (a venv shared with another checkout, or built
-before the last change) they install it into a folder of their own, put on PYTHONPATH, and leave the
-venv as it is.
+`make test` installs this checkout's plugin into vLLM's venv (scripts/vllm_venv.sh); the tests use that
+install when it is this checkout's, file for file. Otherwise (a venv shared with another checkout, or
+built before the last change) they install the wheel into a folder of their own, put on PYTHONPATH,
+and leave the venv as it is.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import plugin_wheel  # noqa: E402
 import vllm_peer  # noqa: E402
 
 
@@ -24,11 +25,10 @@ def plugin_path(python: Path, target: Path) -> list[str]:
 
 
 def install_plugin(python: Path, target: Path) -> Path:
-    """pip-install this checkout (no dependencies: vLLM's venv has what the plugin imports) into target."""
-    setuptools = subprocess.run([str(python), "-c", "import setuptools"], capture_output=True).returncode == 0
-    isolation = ["--no-build-isolation"] if setuptools else []  # offline when the venv can build it
-    pip = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *isolation, "--target",
-                          str(target), str(ROOT)], capture_output=True, text=True, cwd=target.parent)
+    """pip-install this checkout's plugin wheel (no dependencies: vLLM's venv has what it imports) into target."""
+    wheel = plugin_wheel.build(target.parent / "wheel")
+    pip = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                          str(wheel)], capture_output=True, text=True, cwd=target.parent)
     if pip.returncode != 0:
         raise RuntimeError(f"pip could not install the plugin into {target}:\n{pip.stderr[-3000:]}")
     return target

@@ -63,6 +63,22 @@ def add_waiting_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, metavar="N",
                    help="queued requests beyond this are refused with 503 and Retry-After; the ledger's "
                         "`server` entry holds max-num-seqs + N requests in flight")
+    p.add_argument("--max-receiving-bodies", type=int, default=8, metavar="N",
+                   help="request bodies being received or waiting to be parsed at once (default 8); a "
+                        "request beyond them waits for one to be parsed, up to --body-timeout, then gets "
+                        "503. The ledger's `server` entry holds N bodies at the body size limit")
+
+
+def add_intake_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="close a connection with no request in progress after this long, a new one "
+                        "included (default 5)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a request's headers must arrive within this long of its first byte, else 408 and "
+                        "the connection closed (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's body must arrive within this long once the server reads it, else 408 "
+                        "(default 30)")
 
 
 def default_prompt_threads(cores: int | None = None) -> int | None:
@@ -121,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require this Bearer token on /v1/* (or set VRAMLEDGER_API_KEY)")
     add_waiting_flag(serve)
+    add_intake_flags(serve)
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, running requests get this long to finish before they are "
                             f"aborted (default 30); the process then exits within {SHUTDOWN_MARGIN:.0f} s "
@@ -172,7 +189,7 @@ def run_profile(args: argparse.Namespace) -> int:
     config = engine_config(args)  # the ledger `serve` would declare, its requests in flight included
     encoder = PromptEncoder()
     encoder.load(config.model)
-    settings = ServerSettings(max_waiting=args.max_waiting)
+    settings = ServerSettings(max_waiting=args.max_waiting, max_receiving_bodies=args.max_receiving_bodies)
     engine = LLMEngine(config, partial(requests_in_flight, config, settings, encoder))
     encoder.shutdown()
     if args.json:

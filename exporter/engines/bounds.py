@@ -80,7 +80,11 @@ def _check_rank(rank: RankLedger) -> None:
     check_label(rank.device_uuid or "", f"{where} device uuid")
     check_bytes(rank.declared_bytes, f"{where} declared_bytes")
     check_bytes(rank.budget_bytes, f"{where} budget")
-    check_bytes(rank.foreign_charged_bytes, f"{where} foreign charged bytes")
+    if rank.sizing is not None:
+        check_label(rank.sizing.fallback, f"{where} sizing fallback")
+        check_bytes(rank.sizing.vllm_charged_bytes, f"{where} vLLM's charge")
+        check_bytes(rank.sizing.own_process_bytes, f"{where} its process's own charge")
+        check_bytes(rank.sizing.charged_bytes, f"{where} the charge that ran")
     if len(rank.entries) > MAX_ENTRIES:
         raise OutOfBounds(f"{where} {len(rank.entries)} entries, beyond {MAX_ENTRIES}")
     for entry in rank.entries:

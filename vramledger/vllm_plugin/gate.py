@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import os
 
+# SUPPORTED_VERSIONS: the major.minor versions with a module of names (versions/), each checked
+# against that version's own sources.
+from vramledger.vllm_plugin.versions import SUPPORTED_VERSIONS, minor_version
+
 PLUGIN_NAME = "vramledger"
-# Major.minor versions whose worker code the hooks were written against and tested with.
-SUPPORTED_VERSIONS = ("0.32",)
 
 
 def enabled() -> bool:
@@ -21,8 +23,8 @@ def vllm_version() -> str:
 
 def unsupported_reason(version: str) -> str | None:
     """Why the plugin stays out of this vLLM version, or None when it was built for it."""
-    if ".".join(version.split("+")[0].split(".")[:2]) in SUPPORTED_VERSIONS:
+    if minor_version(version) in SUPPORTED_VERSIONS:
         return None
     return (f"vramledger: vLLM {version} is not a version this plugin was built for "
-            f"({', '.join(SUPPORTED_VERSIONS)}.x); nothing is patched and GET /vramledger/memory is not "
+            f"({', '.join(v + '.x' for v in SUPPORTED_VERSIONS)}); nothing is patched and GET /vramledger/memory is not "
             f"served. Install a vramledger release made for vLLM {version}.")

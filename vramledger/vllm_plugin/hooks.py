@@ -1,56 +1,66 @@
-"""Where the plugin listens in vLLM 0.32's worker: each call's original runs unchanged, then is noted.
+"""Where the plugin listens in vLLM's worker: each call's original runs unchanged, then is noted.
 
-Every vLLM worker (CPUWorker, the CUDA Worker and their kin) passes through WorkerBase.__init__;
-there each new worker gets its own wrappers (instance attributes: the classes stay as they are)
-and the RPC method the endpoint calls. Two names of vllm/v1/worker/gpu_worker.py are wrapped
-where that module looks them up, request_memory (right after the start snapshot) and
-memory_profiling (vLLM's profile result), because the worker keeps neither whole.
+The names it reaches are the running vLLM version's (vramledger/vllm_plugin/versions/). Every vLLM
+worker (CPUWorker, the CUDA Worker and their kin) passes through WorkerBase.__init__; there each new
+worker gets its own wrappers (instance attributes: the classes stay as they are) and the RPC method
+the endpoint calls. Two names of vllm/v1/worker/gpu_worker.py are wrapped where that module looks
+them up, request_memory (right after the start snapshot) and memory_profiling (vLLM's profile
+result), because the worker keeps neither whole.
 A hook that fails is logged and its entry left out of the ledger; vLLM never sees the error.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 
+from vramledger.vllm_plugin.gate import vllm_version
 from vramledger.vllm_plugin.own_memory import OwnMemory
 from vramledger.vllm_plugin.rank_ledger import document, loaded_models
-from vramledger.vllm_plugin.record import ProfileFacts, StartupRecord
+from vramledger.vllm_plugin.record import StartupRecord
 from vramledger.vllm_plugin.sizing import FAILED, OWN_PROCESS, VLLM, size
+from vramledger.vllm_plugin.versions import VllmNames, names_for
 
 log = logging.getLogger("vllm.plugins.vramledger")
 
 RPC_METHOD = "vramledger_ledger"  # the worker method GET /vramledger/memory reaches through collective_rpc
-_installed = False
+_names: VllmNames | None = None  # the running vLLM's, once installed
 _active: list = []  # the worker whose wrapped call runs now: gpu_worker's helpers record into it
 
 
 def install() -> None:
-    """Wrap WorkerBase.__init__ so that every worker this process creates is recorded (idempotent)."""
-    global _installed
-    if _installed:
+    """Wrap WorkerBase.__init__ so that every worker this process creates is recorded (idempotent).
+    Only on a vLLM version the plugin was built for (the gate checked it)."""
+    global _names
+    if _names is not None:
         return
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    original = WorkerBase.__init__
+    version = vllm_version()
+    names = names_for(version)
+    if names is None:
+        raise RuntimeError(f"vramledger: no hooks for vLLM {version}")
+    module, cls = names.worker_base
+    worker_base = getattr(importlib.import_module(module), cls)
+    original = worker_base.__init__
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         _guarded(None, "attach", attach, self)
 
-    WorkerBase.__init__ = __init__
-    _installed = True
+    worker_base.__init__ = __init__
+    _names = names
 
 
 def attach(worker) -> None:
     """Give one worker its record, its wrappers and the RPC method that returns its ledger."""
-    _patch_gpu_worker_module()
+    names = _version_names()
+    _patch_gpu_worker_module(names)
     record = worker.vramledger_record = StartupRecord()
     setattr(worker, RPC_METHOD, lambda: document(worker, record))
-    _wrap(worker, worker, "init_device", after=_started)
-    _wrap(worker, worker, "determine_available_memory", before=_sizing, after=_sized)
-    _wrap(worker, worker, "initialize_from_config", before=_kv_cache_config)
+    _wrap(worker, worker, names.init_device, after=_started)
+    _wrap(worker, worker, names.size_kv_cache, before=_sizing, after=_sized)
+    _wrap(worker, worker, names.allocate_kv_cache, before=_kv_cache_config)
 
 
 # --- the worker's start-up calls, in vLLM's order ---
@@ -62,9 +72,9 @@ def _started(worker, record: StartupRecord, _result) -> None:
         if device.type == "cpu":
             node = _cpu_memory_node()
             record.total_bytes, record.free_at_start_bytes = node.total_memory, node.available_memory
-    runner = getattr(worker, "model_runner", None)
-    if runner is not None and hasattr(runner, "capture_model"):
-        _wrap(worker, runner, "capture_model", after=_captured)
+    runner, capture = getattr(worker, "model_runner", None), _version_names().capture
+    if runner is not None and hasattr(runner, capture):
+        _wrap(worker, runner, capture, after=_captured, unless=_version_names().profile_only)
 
 
 def _sizing(worker, record: StartupRecord) -> None:
@@ -94,7 +104,7 @@ def _kv_cache_config(worker, record: StartupRecord, kv_cache_config) -> None:
 
 
 def _captured(_worker, record: StartupRecord, nbytes) -> None:
-    record.cuda_graph_bytes = int(nbytes or 0)
+    record.cuda_graph_bytes = int(nbytes or 0)  # the graphs kept: a capture only measuring is not noted
 
 
 # --- gpu_worker's helpers, recorded into the worker that is starting ---
@@ -126,14 +136,8 @@ def _memory_profiling(original, baseline_snapshot, *args, **kwargs):
 
 def _profiled(record: StartupRecord, result) -> None:
     now, start = record.read_own(), record.process_at_start_bytes
-    record.profile = ProfileFacts(
-        consumed_bytes=int(result.total_consumed),
-        torch_increase_bytes=int(result.after_profile.torch_memory - result.before_create.torch_memory),
-        non_torch_increase_bytes=int(result.non_torch_increase),
-        peak_headroom_bytes=int(result.transient_peak_headroom),
-        weights_bytes=int(result.weights_memory),
-        non_kv_bytes=int(result.non_kv_cache_memory),
-        process_growth_bytes=None if now is None or start is None else now - start)
+    growth = None if now is None or start is None else now - start
+    record.profile = _version_names().profile_facts(result, growth)
 
 
 def _size(record: StartupRecord, result) -> None:
@@ -141,8 +145,8 @@ def _size(record: StartupRecord, result) -> None:
         profile = record.profile
         if profile is None:
             raise RuntimeError("the memory profile was not recorded")
-        size(record.sizing, result, profile.torch_increase_bytes, profile.process_growth_bytes,
-             record.own_memory_unseen)
+        size(record.sizing, profile, record.own_memory_unseen,
+             functools.partial(_version_names().charge, result))
     except Exception as e:  # size() changes the result only once all is known: vLLM's figure stands
         record.sizing.ran = VLLM
         if record.sizing.requested == OWN_PROCESS:
@@ -150,10 +154,9 @@ def _size(record: StartupRecord, result) -> None:
         raise
 
 
-def _patch_gpu_worker_module() -> None:
-    from vllm.v1.worker import gpu_worker
-
-    for name, hook in (("request_memory", _request_memory), ("memory_profiling", _memory_profiling)):
+def _patch_gpu_worker_module(names: VllmNames) -> None:
+    gpu_worker = importlib.import_module(names.gpu_worker)
+    for name, hook in ((names.start_snapshot, _request_memory), (names.profile, _memory_profiling)):
         original = getattr(gpu_worker, name)
         if not getattr(original, "_vramledger", False):
             wrapper = functools.wraps(original)(functools.partial(hook, original))
@@ -162,13 +165,21 @@ def _patch_gpu_worker_module() -> None:
 
 
 # --- plumbing ---
-def _wrap(worker, obj, name: str, before=None, after=None) -> None:
+def _version_names() -> VllmNames:
+    if _names is None:
+        raise RuntimeError("vramledger: the hooks are not installed")
+    return _names
+
+
+def _wrap(worker, obj, name: str, before=None, after=None, unless=None) -> None:
     """Replace obj.name (the worker's or its runner's) on the instance by the original with notes around it:
-    before(worker, record, *args), after(worker, record, result)."""
+    before(worker, record, *args), after(worker, record, result); none where unless(args, kwargs)."""
     original, record = getattr(obj, name), worker.vramledger_record
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
+        if unless is not None and unless(args, kwargs):
+            return original(*args, **kwargs)
         if before is not None:
             _guarded(record, name, before, worker, record, *args, **kwargs)
         _active.append(worker)
@@ -195,9 +206,8 @@ def _guarded(record: StartupRecord | None, what: str, fn, *args, **kwargs) -> No
 
 def _cpu_memory_node():
     """The memory node vLLM's CPU worker sizes against, read as vLLM reads it."""
-    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
-
-    return get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
+    cpu = importlib.import_module(_version_names().cpu_memory)
+    return cpu.get_memory_node_info(cpu.get_allowed_cpu_list()[0].numa_node)
 
 
 def _torch_uuid(device) -> str | None:

@@ -13,6 +13,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from vramledger.vllm_plugin.record import ProfileFacts
 
 log = logging.getLogger("vllm.plugins.vramledger")
 
@@ -72,12 +76,15 @@ def own_charge(torch_increase: int, process_growth: int | None) -> tuple[int, in
     return torch_increase + non_torch, non_torch
 
 
-def size(sizing: Sizing, result, torch_increase: int, process_growth: int | None, unseen: str | None) -> None:
-    """Record both figures; with own-process, make vLLM's profile result charge this process's own."""
-    own = own_charge(torch_increase, process_growth)
-    sizing.vllm_charged_bytes = int(result.non_kv_cache_memory)
+def size(sizing: Sizing, profile: ProfileFacts, unseen: str | None,
+         charge: Callable[[int, int, int], None]) -> None:
+    """Record both figures; with own-process, charge(consumed, non-torch, charged before the KV cache)
+    makes vLLM's profile result (the running version's, vramledger/vllm_plugin/versions/) charge this
+    process's own."""
+    own = own_charge(profile.torch_increase_bytes, profile.process_growth_bytes)
+    sizing.vllm_charged_bytes = profile.non_kv_bytes
     if own is not None:
-        sizing.own_process_bytes = own[0] + int(result.transient_peak_headroom)
+        sizing.own_process_bytes = own[0] + profile.peak_headroom_bytes
     if sizing.requested != OWN_PROCESS or sizing.fallback is not None:
         sizing.ran = VLLM
         return
@@ -86,14 +93,8 @@ def size(sizing: Sizing, result, torch_increase: int, process_growth: int | None
         sizing.fall_back(UNSEEN, f"NVML cannot see this process's memory: {unseen or 'no reading'}")
         return
     consumed, non_torch = own
-    after = result.after_profile
-    # vLLM reads these after the profile: the charge (non_kv_cache_memory), and free memory after it
-    # for its check that free memory did not grow, as if no other process had moved.
-    after.free_memory = result.before_create.free_memory - consumed
-    after.cuda_memory = after.total_memory - after.free_memory
-    after.non_torch_memory = after.cuda_memory - after.torch_memory
-    result.total_consumed, result.non_torch_increase = consumed, non_torch
-    result.non_kv_cache_memory = sizing.own_process_bytes
+    charged = consumed + profile.peak_headroom_bytes  # own_process_bytes, as recorded above
+    charge(consumed, non_torch, charged)
     sizing.ran = OWN_PROCESS
     log.info("vramledger: %s sizing charged %d bytes before the KV cache, where vLLM's arithmetic charged %d",
-             OWN_PROCESS, sizing.own_process_bytes, sizing.vllm_charged_bytes)
+             OWN_PROCESS, charged, sizing.vllm_charged_bytes)

@@ -121,7 +121,9 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, group: str = "") -> str:
+        """Queue a request; `group` names the request it is one choice of (the scheduler never lets
+        one request's choices take every running slot)."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -134,7 +136,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params)
+        seq = Sequence(request_id, token_ids, params, group=group)
         if params.seed is not None:  # its own generator: its draws do not depend on its batch
             self._generators[request_id] = torch.Generator(self.device.torch_device).manual_seed(params.seed)
         self._text[request_id] = IncrementalText(self._decode_text, params.stop)

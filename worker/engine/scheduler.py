@@ -39,6 +39,10 @@ class Step:
 class Scheduler:
     """FIFO admission under max_num_seqs; long prompts in chunks; newest-first preemption.
 
+    The last free slot never goes to an extra choice of a request (n > 1) that already runs one: a
+    request with as many choices as slots runs all but one at a time, and the request behind it starts
+    in the next step instead of waiting for every choice to end.
+
     A step decodes every running request and prefills prompts' chunks beside them, as vLLM's steps
     do: a stream never waits for a chunk in a step of its own, and a prompt starts in the next step
     whatever the streams are doing. The chunks cost their tokens, padded to the widest row, plus
@@ -92,20 +96,32 @@ class Scheduler:
                 if not take:
                     return
                 self._add_row(batch, step, seq, take, seq.num_cached)
-        while admit and self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        if not (admit and self.waiting and len(self.running) < self.max_num_seqs):
+            return
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if self._keeps_the_last_slot(seq):
+                continue  # the requests behind it may take the slot
             cached = self.blocks.cached_prefix(seq)
             start = len(cached) * self.blocks.block_size
             take = self._chunk(len(seq) - start, start, step)
             if not take or not self.blocks.can_admit(seq, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.blocks.admit(seq, cached)
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             self._add_row(batch, step, seq, take, start)
+
+    def _keeps_the_last_slot(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` would fill the last free slot with an extra choice of a request that
+        already runs one: it waits instead, so no request holds every slot and the next request starts
+        at once (with one slot in all, choices take it in turn)."""
+        return (bool(seq.group) and self.max_num_seqs - len(self.running) == 1 < self.max_num_seqs
+                and any(other.group == seq.group for other in self.running))
 
     def _add_row(self, batch: Batch, step: Step, seq: Sequence, take: int, start: int) -> None:
         step.add(take, self._attention(start, take))

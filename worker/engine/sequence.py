@@ -20,6 +20,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    group: str = ""  # the request this is one choice of, when it has several (n > 1); "": its own
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"

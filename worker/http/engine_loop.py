@@ -77,11 +77,12 @@ class EngineLoop:
 
     # -- the asyncio side ------------------------------------------------------------------
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams,
-               arrival: float) -> asyncio.Queue:
-        """Queue a request; its RequestOutputs (or an EngineFailed) arrive on the returned queue."""
+               arrival: float, group: str = "") -> asyncio.Queue:
+        """Queue a request (one choice of `group`, when given); its RequestOutputs (or an EngineFailed)
+        arrive on the returned queue."""
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(("add", request_id, token_ids, params, arrival), add=True)
+        self._send(("add", request_id, token_ids, params, arrival, group), add=True)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -195,9 +196,9 @@ class EngineLoop:
         failed = []
         for command in commands:
             if command[0] == "add":
-                _, request_id, token_ids, params, arrival = command
+                _, request_id, token_ids, params, arrival, group = command
                 try:
-                    self._loaded.add_request(token_ids, params, request_id)
+                    self._loaded.add_request(token_ids, params, request_id, group)
                     if self.metrics is not None:
                         self.metrics.added(request_id, arrival)
                 except ValueError as exc:  # the server validates first; this is the last guard

@@ -25,7 +25,7 @@ class ErrorResponse(BaseModel):
 
 
 # The error responses the OpenAPI schema documents for a route.
-ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 503)}
 
 
 class APIError(Exception):

@@ -7,6 +7,7 @@ with server-sent events when it streams.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TypeVar
@@ -15,6 +16,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from worker.http.body_slots import release_body_slot
 from worker.http.choices import Job, collect, events
 from worker.http.engine_loop import EngineLoop
 from worker.http.errors import APIError
@@ -23,6 +25,8 @@ from worker.http.renderer import ResponseRenderer
 from worker.http.request_body import parse, read_json
 from worker.http.request_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from worker.http.state import ServerState
+
+log = logging.getLogger(__name__)
 
 
 def check_queue(state: ServerState, n: int, tokenizing: int = 0) -> None:
@@ -48,6 +52,7 @@ async def prepare(state: ServerState, request: Request, model: type[Generation])
     async with state.encoder.stage(len(raw)):
         body = parse(raw, model)
         del raw
+        release_body_slot(request.scope)  # the stage's parsed bodies are counted apart
         engine = state.engine_or_503()
         state.check_model(body.model)
         check_queue(state, body.n, tokenizing=state.encoder.pending)
@@ -70,7 +75,8 @@ def admit(state: ServerState, body: CompletionRequest | ChatCompletionRequest, t
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choice_ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     arrival = time.monotonic()
-    streams = [engine_loop.submit(choice_id, token_ids, p, arrival)  # n sequences, one prompt
+    group = request_id if body.n > 1 else ""
+    streams = [engine_loop.submit(choice_id, token_ids, p, arrival, group)  # n sequences, one prompt
                for choice_id, p in zip(choice_ids, choice_params(params, body.n))]
     render = ResponseRenderer(request_id, chat, state.model_name, body.return_token_ids, body.num_logprobs)
     return Job(request_id, choice_ids, streams, render, len(token_ids))
@@ -79,7 +85,7 @@ def admit(state: ServerState, body: CompletionRequest | ChatCompletionRequest, t
 async def respond(engine_loop: EngineLoop, request: Request, body: SamplingRequest, job: Job) -> Response:
     """The answer to an admitted request; a client that leaves first gets its choices aborted (499)."""
     if body.stream:
-        return EventStream(events(job, body.include_usage, body.continuous_usage, engine_loop.abort),
+        return EventStream(job, events(job, body.include_usage, body.continuous_usage, engine_loop.abort),
                            media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     collecting = asyncio.ensure_future(collect(job))
@@ -92,10 +98,16 @@ async def respond(engine_loop: EngineLoop, request: Request, body: SamplingReque
             collecting.cancel()
             abort(engine_loop, job)
     if not collecting.done() or collecting.cancelled():
+        client_left(job)
         return Response(status_code=499)
     if collecting.exception() is not None:
         abort(engine_loop, job)  # one choice failed: the others stop too
     return JSONResponse(job.render.response(collecting.result(), job.prompt_tokens))
+
+
+def client_left(job: Job) -> None:
+    """One line for a client that went away before its answer: its own doing, no server error."""
+    log.info("%s: the client went away before the answer; its request was aborted", job.request_id)
 
 
 def abort(engine_loop: EngineLoop, job: Job) -> None:
@@ -111,17 +123,27 @@ async def until_disconnected(request: Request) -> None:
 class EventStream(StreamingResponse):
     """Server-sent events that notice a client that left even while no token is due."""
 
+    def __init__(self, job: Job, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.job = job
+
     async def __call__(self, scope, receive, send):
+        ended = False  # a response that ended reads as a disconnect too
+
         async with anyio.create_task_group() as group:
             async def watch():
                 await self.listen_for_disconnect(receive)
+                if not ended:
+                    client_left(self.job)
                 group.cancel_scope.cancel()
 
             group.start_soon(watch)
             try:
                 await self.stream_response(send)
-            except OSError:
-                pass  # the client closed the connection while we wrote
+                ended = True
+            except OSError:  # the client closed the connection while we wrote
+                ended = True
+                client_left(self.job)
             finally:
                 await self.body_iterator.aclose()  # runs the stream's finally: the abort
                 group.cancel_scope.cancel()

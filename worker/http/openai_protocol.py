@@ -80,7 +80,11 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, prompt_toke
     room = max_model_len - prompt_tokens
     chat = isinstance(body, ChatCompletionRequest)
     requested, name = body.max_tokens, "max_tokens"
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:  # the newer name wins
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:  # the newer name
+        if requested is not None and requested != body.max_completion_tokens:  # neither is guessed
+            raise APIError(400, f"max_tokens={requested} and max_completion_tokens={body.max_completion_tokens} "
+                           "disagree; send one of them (max_completion_tokens is the newer name)",
+                           param="max_completion_tokens", code="conflicting_parameters")
         requested, name = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested = room if chat else min(16, room)

@@ -5,8 +5,9 @@ being tokenized (preempted ones queue again). Each holds its parsed body without
 (its token ids say the same), its stop strings, its job and output queue, and the completion
 collected so far; each queued one also holds the engine's per-request state, which
 `sequence_state` counts only for the running ones. Meanwhile IN_STAGE requests with small bodies
-and as many with large ones are parsed and tokenized, one more body is being parsed, and both
-encoder lanes tokenize the longest texts they take.
+and as many with large ones are parsed and tokenized, one more body is being parsed, both
+encoder lanes tokenize the longest texts they take, and --max-receiving-bodies bodies at the body
+limit are received or wait to be parsed (body_slots.py).
 Built at the longest sequence and the costliest texts, and measured by the profiler at its peak.
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ from worker.http.request_models import (
     CompletionRequest,
 )
 from worker.http.settings import ServerSettings
+
+READ_BYTES = 64 << 10  # the pieces a body arrives in: uvicorn stops reading at 64 KiB until the app takes them
 
 
 def requests_in_flight(config: EngineConfig, settings: ServerSettings, encoder: PromptEncoder, tokenizer,
@@ -61,8 +64,10 @@ def requests_in_flight(config: EngineConfig, settings: ServerSettings, encoder: 
             collected_ids.extend(out.new_token_ids)
     for _, _, job, _, _, collected_text, collected_ids in requests:  # rendered, sent and dropped
         json.dumps(job.render.response([("".join(collected_text), collected_ids, "length", None)], prompt_len))
+    limit = body_limit(encoder.bound, max_model_len, settings.max_body_bytes)
     return [requests, request_states(config, tokenizer, device, count=settings.max_waiting),
-            *prompt_stage(encoder, max_model_len, settings.max_body_bytes)]
+            *prompt_stage(encoder, max_model_len, settings.max_body_bytes),
+            bodies_received(settings.max_receiving_bodies, limit)]
 
 
 def prompt_stage(encoder: PromptEncoder, max_model_len: int, max_body_bytes: int) -> list:
@@ -86,6 +91,17 @@ def prompt_stage(encoder: PromptEncoder, max_model_len: int, max_body_bytes: int
             tokenizing = []  # the earlier text's token ids go first: a lane holds one prompt's at a time
             tokenizing = encoder.tokenize_on_both_lanes(candidate)
     return [conversations, small, parsing, tokenizing]
+
+
+def bodies_received(count: int, body_bytes: int) -> list[bytes]:
+    """`count` bodies of `body_bytes` held unparsed, each received in pieces of a socket read and
+    joined, one after another (a join holds its pieces and its copy at once)."""
+    bodies = []
+    for i in range(count):
+        fill = bytes([ord("a") + i % 26])  # written, so every page is resident
+        pieces = [fill * min(READ_BYTES, body_bytes - start) for start in range(0, body_bytes, READ_BYTES)]
+        bodies.append(b"".join(pieces))
+    return bodies
 
 
 def parsed_empty_messages(body_bytes: int) -> ChatCompletionRequest:

@@ -15,6 +15,7 @@ from worker.config import EngineConfig
 from worker.http.drain import DrainGate, DrainingServer
 from worker.http.error_handlers import CrashBarrier, install_error_handlers
 from worker.http.guard import Guard
+from worker.http.intake import intake_protocol
 from worker.http.request_body import body_schemas
 from worker.http.request_models import ChatCompletionRequest, CompletionRequest
 from worker.http.routers import chat, completions, health, memory, metrics, models
@@ -72,7 +73,9 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     app = create_app(config, ServerSettings.from_args(args))
     state: ServerState = app.state.server
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                    timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE)
+                                    timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE,
+                                    http=intake_protocol(state.settings.keep_alive_timeout,
+                                                         state.settings.header_timeout))
     server = DrainingServer(uvicorn_config, state.drain)  # SIGTERM drains first
     state.engine_loop.on_fatal = lambda exc: setattr(server, "should_exit", True)
     log.info("serving %s on http://%s:%d (draft: %s)", state.model_name, args.host, args.port,

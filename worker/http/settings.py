@@ -28,10 +28,20 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20  # a long prompt is well under this; a 413 beats parsing a flood
     served_model_name: str | None = None
     drain_timeout: float = 30.0  # seconds running requests get after SIGTERM (worker/http/drain.py)
+    # Bounded intake (intake.py, body_slots.py), in seconds: a connection with no request in progress,
+    # a request's headers from its first byte, its body from the first read (and a wait for a slot).
+    keep_alive_timeout: float = 5.0  # uvicorn's default
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_receiving_bodies: int = 8  # bodies read and not yet parsed at once: the ledger's `server` holds them
 
     def __post_init__(self):
         if self.max_waiting < 1:
             raise ValueError("--max-waiting must be >= 1")
+        if self.max_receiving_bodies < 1:
+            raise ValueError("--max-receiving-bodies must be >= 1")
+        if min(self.keep_alive_timeout, self.header_timeout, self.body_timeout) <= 0:
+            raise ValueError("--keep-alive-timeout, --header-timeout and --body-timeout must be > 0")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerSettings:
@@ -42,4 +52,6 @@ class ServerSettings:
                    metrics=environ.get(METRICS_ENV, "on").lower() not in ("off", "0", "false"),
                    protect_metrics=environ.get(METRICS_AUTH_ENV, "") == "1",
                    served_model_name=args.served_model_name,
-                   drain_timeout=args.drain_timeout)
+                   drain_timeout=args.drain_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                   header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                   max_receiving_bodies=args.max_receiving_bodies)

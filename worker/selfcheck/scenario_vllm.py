@@ -31,10 +31,13 @@ PROBE = """
 import importlib.metadata as md, json, vllm.version
 groups = ("vllm.general_plugins", "vllm.endpoint_plugins")
 points = {g: [e.name for e in md.entry_points(group=g)] for g in groups}
-try:
-    plugin = md.version("vramledger")
-except md.PackageNotFoundError:
-    plugin = None
+plugin = None
+for name in ("vramledger-vllm-plugin", "vramledger"):  # the plugin's own wheel, or the whole project
+    try:
+        plugin = md.version(name)
+        break
+    except md.PackageNotFoundError:
+        pass
 print(json.dumps({"vllm": vllm.version.__version__, "plugin": plugin, "entry_points": points}))
 """
 
@@ -64,7 +67,8 @@ def probe(python: str) -> dict:
 
 def check_environment(python: str, found: dict, ours: str) -> None:
     """CannotRun unless vLLM's environment has this version of the plugin, on a vLLM it was built for."""
-    install = f"install vramledger {ours} there: {python} -m pip install --no-deps <its wheel or checkout>"
+    install = (f"install the vramledger vLLM plugin {ours} there (`make plugin-wheel` builds it): {python} -m pip "
+               f"install dist/vramledger_vllm_plugin-{ours}-py3-none-any.whl")
     if found["plugin"] is None or any(PLUGIN_NAME not in names for names in found["entry_points"].values()):
         raise CannotRun(f"the vramledger vLLM plugin is not installed for {python}: {install}")
     if found["plugin"] != ours:
