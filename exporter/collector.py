@@ -34,12 +34,14 @@ GAUGES = {
                                                DEVICE),
     "vramledger_device_unattributed_memory_bytes": (
         "Device used memory minus the memory of every process the reader can see.", DEVICE),
-    "vramledger_worker_up": ("1 when the worker serves (its ledger, or vLLM's /metrics, was read), else 0.",
-                             ("worker",)),
+    "vramledger_worker_up": (
+        "1 when the worker serves (its ledger read; vLLM: its /metrics read and its /health 200), else 0.",
+        ("worker",)),
     "vramledger_worker_state": (
         ("1 for the worker's state, 0 for the others: serving; loading (it answered 503, as while it "
-         "loads its model); unreachable (no whole answer within --worker-timeout; one begun but not "
-         "finished is counted in vramledger_exporter_errors_total); wrong (an answer that is not this kind "
+         "loads its model); unreachable (no whole answer within --worker-timeout, or a vLLM whose /health "
+         "answers 503, its engine core dead; an answer begun but not finished is counted in "
+         "vramledger_exporter_errors_total); wrong (an answer that is not this kind "
          "of engine's, a value beyond the exporter's bounds or a pid not behind its port, counted in "
          "vramledger_exporter_errors_total)."), ("worker", "state")),
     "vramledger_worker_info": ("The engine behind each worker URL: its kind, version and model.",
@@ -57,6 +59,10 @@ GAUGES = {
         ("Memory a vLLM rank's ledger declares, per component and model, from the vLLM plugin's "
          "/vramledger/memory (a vramledger worker serves its own ledger on its /metrics)."),
         RANK + ("component", "model")),
+    "vramledger_worker_process_declared_bytes": (
+        ("Host memory a vLLM server's processes besides its ranks declare (the vLLM plugin's /vramledger/memory): "
+         "what each held when the server became ready, summed per role (api_server, engine_core, other)."),
+        ("worker", "role")),
     "vramledger_worker_memory_budget_bytes": (
         "The budget a vLLM rank sized its KV cache against (none when it was given a KV cache size).", RANK),
     "vramledger_worker_weights_outside_budget_bytes": (
@@ -144,6 +150,11 @@ class ExporterCollector(Collector):
                 gauges["vramledger_worker_declared_memory_bytes"].add_metric([url], joined.declared[url])
             for rank in state.ranks:
                 self._add_rank(gauges, url, rank)
+            by_role: dict[str, int] = {}
+            for process in state.processes:
+                by_role[process.role] = by_role.get(process.role, 0) + process.bytes
+            for role, size in by_role.items():
+                gauges["vramledger_worker_process_declared_bytes"].add_metric([url, role], size)
         return list(gauges.values())
 
     @staticmethod

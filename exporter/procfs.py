@@ -1,6 +1,7 @@
 """Host processes' memory from /proc: each one's RSS and start time, read directly (psutil's
 objects cost several times more per process, and a host reader reads every process each scrape),
-and its proportional set size (PSS), from /proc/<pid>/smaps_rollup.
+and its proportional set size (PSS), from /proc/<pid>/smaps_rollup (vramledger/procfs.py reads each,
+the readers the vLLM plugin measures its processes with too).
 
 RSS counts a page that n processes share (a library, a fork's copy-on-write pages, shared memory) n
 times, so the RSS of a host's processes adds up to more than the host uses; PSS counts 1/n of it in
@@ -17,46 +18,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
+from vramledger.procfs import read_pss, read_rss, read_start
+
+__all__ = ["ProportionalSizes", "pids", "read_pss", "read_rss", "read_start"]
 
 
 def pids(proc_root: str | Path = "/proc") -> Iterator[int]:
     """Every process this pid namespace shows."""
     with os.scandir(proc_root) as entries:
         yield from (int(e.name) for e in entries if e.name.isdigit())
-
-
-def read_rss(pid: int, proc_root: str | Path = "/proc") -> int | None:
-    """Resident bytes (as psutil's memory_info().rss); None when the process is gone or hidden."""
-    try:
-        with open(f"{proc_root}/{pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * PAGE
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def read_start(pid: int, proc_root: str | Path = "/proc") -> int | None:
-    """When the process started, in clock ticks since boot: with its pid, who it is (pids are reused)."""
-    try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            text = f.read()
-        return int(text[text.rindex(b")") + 2:].split()[19])  # field 22, after "pid (comm)"
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def read_pss(pid: int, proc_root: str | Path = "/proc") -> int | None:
-    """PSS in bytes; None when the process is gone, hidden (another user's, without privilege) or the
-    kernel has no smaps_rollup (before 4.14)."""
-    try:
-        with open(Path(proc_root) / str(pid) / "smaps_rollup", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(b"Pss:"):
-            return int(line.split()[1]) * 1024  # kB
-    return None
 
 
 @dataclass(frozen=True)

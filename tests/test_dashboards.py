@@ -46,7 +46,7 @@ REQUIRED_SERIES = {
         "vramledger_worker_weights_outside_budget_bytes", "vramledger_worker_foreign_charged_bytes",
         "vramledger_worker_memory_bytes", "vramledger_worker_memory_budget_bytes",
         "vramledger_worker_sizing_info", "vramledger_worker_sizing_charge_bytes",
-        "vramledger_worker_sizing_given_back_bytes",
+        "vramledger_worker_sizing_given_back_bytes", "vramledger_worker_process_declared_bytes",
     },
     "serving": {
         "vramledger_requests_running", "vramledger_requests_waiting", "vramledger_prompt_tokens_total",

@@ -307,7 +307,7 @@ def vllm_text(old: str, new: str) -> bytes:
 ], ids=["utilization-1e400", "utilization-nan", "utilization-1e30", "kv-size-1e400", "kv-usage-inf",
         "model-600KB"])
 def test_a_vllm_metrics_text_beyond_bounds(monkeypatch, engine_server, metrics):
-    url = engine_server({"/metrics": metrics, "/version": b'{"version": "0.32.0"}'})
+    url = engine_server({"/metrics": metrics, "/version": b'{"version": "0.32.0"}', "/health": b""})
     found = beside_a_worker(monkeypatch, lambda errors: VllmEngine(url, HttpClient(5), errors, PortLocator(url)))
     assert_only_that_engine_is_wrong(*found, source="vllm")
 
@@ -330,8 +330,19 @@ def plugin_ledger(change) -> bytes:
 ], ids=["entry-1e400", "component-newline", "model-600KB", "rank-1e30", "charge-1e400", "fallback-600KB",
         "budget-1e30", "entries-many"])
 def test_a_vllm_plugin_ledger_beyond_bounds(monkeypatch, engine_server, change):
-    url = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}',
+    url = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}', "/health": b"",
                          "/vramledger/memory": plugin_ledger(change)})
+    found = beside_a_worker(monkeypatch, lambda errors: VllmEngine(url, HttpClient(5), errors, PortLocator(url)))
+    assert_only_that_engine_is_wrong(*found, source="vllm")
+
+
+@pytest.mark.parametrize("process", [{"role": "api_server", "pid": 1, "bytes": 10 ** 30},
+                                     {"role": "engine_core", "pid": 10 ** 9, "bytes": 1}],
+                         ids=["process-bytes-1e30", "process-pid-1e9"])
+def test_a_vllm_servers_processes_beyond_bounds(monkeypatch, engine_server, process):
+    ledger = json.dumps(load(NEIGHBOUR) | {"processes": [process]}).encode()
+    url = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}', "/health": b"",
+                         "/vramledger/memory": ledger})
     found = beside_a_worker(monkeypatch, lambda errors: VllmEngine(url, HttpClient(5), errors, PortLocator(url)))
     assert_only_that_engine_is_wrong(*found, source="vllm")
 
@@ -339,7 +350,7 @@ def test_a_vllm_plugin_ledger_beyond_bounds(monkeypatch, engine_server, change):
 def test_the_same_engines_within_bounds_serve(monkeypatch, engine_server):
     # The cases above are refused for their one value: unchanged, each source serves.
     worker = engine_server({"/v1/memory": worker_ledger(lambda d: None)})
-    vllm = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}',
+    vllm = engine_server({"/metrics": gpu_text().encode(), "/version": b'{"version": "0.32.0"}', "/health": b"",
                           "/vramledger/memory": plugin_ledger(lambda r: None)})
     for make in (lambda errors: VramledgerEngine(worker, HttpClient(5), errors),
                  lambda errors: VllmEngine(vllm, HttpClient(5), errors, PortLocator(vllm))):

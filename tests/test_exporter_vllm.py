@@ -15,7 +15,7 @@ from test_exporter_host import PY, read_line, spawn  # noqa: F401
 from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, state, worker
 
 from exporter.cli import build_parser
-from exporter.engines import VllmEngine, parse_vllm_arg
+from exporter.engines import Engines, Status, VllmEngine, parse_vllm_arg
 from exporter.engines.fetch import HttpClient
 from exporter.engines.vllm import VllmMetrics, parse_metrics
 from exporter.errors import ErrorLog
@@ -79,12 +79,13 @@ def test_garbage_or_another_server_is_no_vllm_text():
 # --- the process tree of a server, found by its port ------------------------------------------
 
 def start_tree(spawn, text: str, tmp_path, ranks: int = 1, host: str = "127.0.0.1",  # noqa: F811
-               ledger: Path | None = None):
+               ledger: Path | None = None, engine_dead: bool = False):
     """A real API server -> engine core -> ranks tree serving `text` (and the vLLM plugin's `ledger`
-    document); returns (api, core, ranks, url)."""
+    document; /health 503 with engine_dead); returns (api, core, ranks, url)."""
     path = tmp_path / f"metrics-{ranks}-{len(list(tmp_path.iterdir()))}.txt"
     path.write_text(text)
     extra = ["--ledger", str(ledger)] if ledger is not None else []
+    extra += ["--engine-dead"] if engine_dead else []
     api = spawn([PY, str(HERE / "vllm_tree.py"), str(path), "--ranks", str(ranks), "--host", host, *extra],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = read_line(api)
@@ -189,6 +190,18 @@ def test_a_hidden_process_is_an_error_and_an_explicit_pid_the_way_out(spawn, tmp
     explicit = VllmEngine(url, client, errors, PortLocator(url, pid=api))
     assert explicit.read().pids == {api, core, rank}
     client.close()
+
+
+def test_a_vllm_whose_engine_core_died_is_not_serving(spawn, tmp_path):  # noqa: F811
+    # vLLM's API server still answers /metrics then, and its /health 503 (until it exits).
+    *_, url = start_tree(spawn, RECORDED.read_text(), tmp_path, engine_dead=True)
+    errors, client = ErrorLog(), HttpClient(5)
+    engines = Engines([VllmEngine(url, client, errors)], errors, client, timeout=5)
+    [reading] = engines.read().values()
+    assert reading.status is Status.UNREACHABLE and reading.state is None
+    assert "/health answered 503: its engine core is dead" in reading.reason
+    assert not reading.counted and errors.counts() == {}  # a state it is in, not a fault
+    engines.close()
 
 
 # --- tensor parallelism 2 over a fake NVML ----------------------------------------------------

@@ -24,12 +24,14 @@ from test_exporter_nvml import scrape as scrape_registry
 from test_exporter_vllm import HERE, MODEL, SPEC_RECORDED, gpu_text, start_tree
 
 from exporter.engines import VllmEngine
+from exporter.engines.base import EngineInfo, EngineState
 from exporter.engines.fetch import HttpClient
-from exporter.engines.ranks import Entry
-from exporter.engines.vllm_ledger import LedgerReader, parse_ranks
+from exporter.engines.ranks import Entry, ServerProcess
+from exporter.engines.vllm_ledger import NO_LEDGER, LedgerReader, parse, parse_ranks
 from exporter.engines.vramledger import LedgerError
 from exporter.errors import ErrorLog
 from exporter.processes import PortLocator
+from exporter.sources import HOST, DeviceMemory
 
 CPU_LEDGER = HERE / "data" / "vllm_ledger.json"
 NEIGHBOUR = HERE / "data" / "vllm_ledger_cuda_neighbour.json"
@@ -45,13 +47,17 @@ def load(path):
 def test_the_recorded_cpu_ledger():
     [rank] = parse_ranks("http://vllm:8000", load(CPU_LEDGER))
     assert (rank.rank, rank.device_kind, rank.device_uuid) == (0, "cpu", None)
-    assert rank.declared_bytes == 1763496080 == sum(rank.components().values())
-    assert rank.components() == {("runtime", ""): 655917056, ("weights", "target"): 21251200,
+    assert rank.declared_bytes == 1632060560 == sum(rank.components().values())
+    assert rank.components() == {("runtime", ""): 524481536, ("weights", "target"): 21251200,
                                  ("weights", "draft"): 4459536, ("kernels", "target"): 4194304,
                                  ("kernels", "draft"): 4194304, ("kv_cache", ""): 1073479680}
     # vLLM's CPU backend was given its KV cache size and runs no memory profile: no budget, no warning.
     assert rank.budget_bytes is None and rank.weights_outside_budget() == {}
     assert rank.foreign_charged_bytes is None
+    # The server's other processes: the API server, multiprocessing's resource tracker, the engine core.
+    assert parse("http://vllm:8000", load(CPU_LEDGER)).processes == (
+        ServerProcess("api_server", 2176, 507550720), ServerProcess("other", 2370, 6781952),
+        ServerProcess("engine_core", 2371, 489629696))
 
 
 def test_the_recorded_cuda_ledgers_show_the_two_bugs():
@@ -104,6 +110,37 @@ def test_a_document_that_is_not_the_plugins_is_refused(doc):
         parse_ranks("http://vllm:8000", doc)
 
 
+@pytest.mark.parametrize("processes", [
+    {"api_server": 1},
+    [{"role": "scheduler", "pid": 7, "bytes": 1}],
+    [{"role": "api_server", "pid": "7", "bytes": 1}],
+    [{"role": "engine_core", "pid": 7, "bytes": -1}],
+    [{"role": "other", "pid": 7}],
+], ids=["not-a-list", "unknown-role", "pid-text", "negative-bytes", "no-bytes"])
+def test_processes_that_are_not_the_plugins_are_refused(processes):
+    with pytest.raises(LedgerError):
+        parse("http://vllm:8000", load(CPU_LEDGER) | {"processes": processes})
+
+
+def test_a_plugin_that_lists_no_processes_declares_its_ranks_only():
+    for listed in (None, []):  # null: it could not measure them; a plugin older than the list has none
+        ledger = parse("http://vllm:8000", load(CPU_LEDGER) | {"processes": listed})
+        assert ledger.processes == () and len(ledger.ranks) == 1
+
+
+def test_the_servers_other_processes_declare_on_the_host_only():
+    """A GPU rank declares on its GPU; the API server and the engine core on the host, where the host is
+    read (the host reader), and nowhere else: they hold no GPU memory."""
+    [rank] = parse_ranks("http://vllm:8000", load(NEIGHBOUR))
+    state = EngineState(frozenset([1, 2, 3]), EngineInfo("vllm"), ranks=(rank,),
+                        processes=(ServerProcess("api_server", 1, 500 * MiB), ServerProcess("engine_core", 2, 400 * MiB)))
+    gpu = DeviceMemory("0", "GPU-fake", "gpu", 80 * GiB, 6 * GiB, 74 * GiB, None, ())
+    host = DeviceMemory(HOST, "", "host", 64 * GiB, 8 * GiB, 56 * GiB, None, ())
+    assert state.declared_on(gpu) == rank.declared_bytes and state.declared_total([gpu]) == rank.declared_bytes
+    assert state.declared_on(host) == 900 * MiB  # the rank holds its memory on its GPU
+    assert state.declared_total([gpu, host]) == rank.declared_bytes + 900 * MiB
+
+
 # --- a vLLM CPU server with the plugin, the exporter a real process on the host --------------------
 
 def test_a_cpu_vllm_with_the_plugin_declares_its_ledger_on_the_host(spawn, tmp_path):  # noqa: F811
@@ -115,9 +152,13 @@ def test_a_cpu_vllm_with_the_plugin_declares_its_ledger_on_the_host(spawn, tmp_p
     published = {(s.labels["component"], s.labels["model"]): s.value
                  for s in find(samples, "vramledger_worker_memory_bytes", worker=url, rank="0")}
     assert published == {(e["component"], e["model"]): e["bytes"] for e in entries}
-    # Without the plugin nothing is declared here (vLLM was given its KV cache size): now its ledger is.
+    # Without the plugin nothing is declared here (vLLM was given its KV cache size): now its ledger is,
+    # with what its API server, resource tracker and engine core held when it became ready.
     declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
-    assert declared == 1763496080
+    assert declared == 1632060560 + 507550720 + 6781952 + 489629696
+    assert {s.labels["role"]: s.value for s in find(samples, "vramledger_worker_process_declared_bytes",
+                                                     worker=url)} == {"api_server": 507550720, "other": 6781952,
+                                                                      "engine_core": 489629696}
     observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
     assert one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host") == max(
         0, observed - declared)
@@ -262,7 +303,7 @@ def test_an_engine_that_gives_no_ledger_now_is_asked_again_uncounted():
     server, url = serve_status(503)
     client, errors = CountingClient(5), ErrorLog()
     reader = LedgerReader(url, client, errors)
-    assert [reader.read(frozenset([1])) for _ in range(2)] == [(), ()]
+    assert [reader.read(frozenset([1])) for _ in range(2)] == [NO_LEDGER, NO_LEDGER]
     assert client.asked.count("vramledger/memory") == 2  # not kept: it may answer next scrape
     assert errors.counts() == {}
     client.close()

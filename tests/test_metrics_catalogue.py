@@ -4,6 +4,7 @@ Families the page marks conditional are emitted by the exporter over the fake NV
 with the vramledger plugin, with --kubernetes' pod labels."""
 from __future__ import annotations
 
+import json
 import sys
 
 import httpx
@@ -16,7 +17,7 @@ from server_fixtures import Server
 from test_exporter_host import spawn, start_exporter  # noqa: F401
 from test_exporter_kubernetes import clock, directory  # noqa: F401
 from test_exporter_vllm import gpu_text, start_tree
-from test_exporter_vllm_ledger import NEIGHBOUR
+from test_exporter_vllm_ledger import CPU_LEDGER, NEIGHBOUR
 
 from exporter.collector import ExporterCollector
 from exporter.engines import Engines, VllmEngine
@@ -86,8 +87,12 @@ def test_a_live_worker_and_exporter_publish_the_catalogue(worker, spawn, tmp_pat
 
 
 def test_the_conditional_exporter_families(monkeypatch, spawn, tmp_path, api, clock):  # noqa: F811
-    """NVML's reserved memory, a vLLM rank's ledger (the plugin's, recorded on its CUDA path), pod labels."""
-    *_, [rank], url = start_tree(spawn, gpu_text(), tmp_path, ledger=NEIGHBOUR)
+    """NVML's reserved memory, a vLLM rank's ledger (the plugin's, recorded on its CUDA path) and its
+    server's other processes (recorded from vLLM's CPU build), pod labels."""
+    ledger = tmp_path / "ledger.json"
+    ledger.write_text(json.dumps(json.loads(NEIGHBOUR.read_text())
+                                 | {"processes": json.loads(CPU_LEDGER.read_text())["processes"]}))
+    *_, [rank], url = start_tree(spawn, gpu_text(), tmp_path, ledger=ledger)
     monkeypatch.setitem(sys.modules, "pynvml", FakePynvml([FakeGpu("GPU-fake", total=80 * GiB,
                                                                    allocated=6 * GiB,
                                                                    processes=[proc(rank, "VLLM::Worker", 3)])]))

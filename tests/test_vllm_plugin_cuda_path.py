@@ -77,7 +77,8 @@ def test_profile_entries_say_what_vllm_measured_for_itself_and_from_the_device(n
     assert profile["cuda_graph_estimate_counted"] and profile["cuda_graph_estimate_bytes"] == GRAPHS
     # The KV cache is what the worker allocated, in whole blocks of what vLLM found available.
     kv = ledger["kv_cache"]
-    assert e["kv_cache", ""]["bytes"] == kv["blocks_total"] * kv["bytes_per_block"] == neighbour["available"]
+    assert e["kv_cache", ""]["bytes"] == (kv["blocks_total"] + kv["blocks_reserved"]) * kv["bytes_per_block"] \
+        == neighbour["available"]
     assert ledger["device"]["total_bytes"] == TOTAL
     assert ledger["device"]["free_at_start_bytes"] == TOTAL - NEIGHBOUR_AT_START - CONTEXT
     own = device["context"] + device["torch_reserved"] + device["non_torch"]

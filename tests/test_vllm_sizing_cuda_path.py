@@ -14,7 +14,9 @@ GROWTH = 256 * MiB  # what the neighbour allocates (or frees) during the profile
 
 
 def blocks(result: dict) -> int:
-    return result["ledger"]["kv_cache"]["blocks_total"]
+    """The KV cache's blocks as allocated: those vLLM hands out and its null block."""
+    kv = result["ledger"]["kv_cache"]
+    return kv["blocks_total"] + kv["blocks_reserved"]
 
 
 def entries(result: dict) -> dict:

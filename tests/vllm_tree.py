@@ -1,12 +1,14 @@
 """A real process tree shaped like a vLLM server's, for tests where a GPU vLLM cannot run here.
 
     python tests/vllm_tree.py METRICS_FILE [--ledger LEDGER_FILE] [--ranks N] [--host 127.0.0.1]
-                              [--version 0.32.0]
+                              [--version 0.32.0] [--engine-dead]
 
 The API server process listens on a free port and serves METRICS_FILE (a /metrics text recorded
 from a real vLLM) at /metrics, {"version": ...} at /version and, given LEDGER_FILE (a document
 recorded from the vLLM plugin), that at /vramledger/memory, as vLLM with the plugin enabled does
-(404 without it, as vLLM without the plugin); it starts an engine-core child,
+(404 without it, as vLLM without the plugin); /health answers 200 with no body, or 503 with
+--engine-dead, as vLLM's API server does once its engine core has died
+(vllm/entrypoints/serve/instrumentator/health.py); it starts an engine-core child,
 which starts N rank children, as vLLM does with tensor parallelism N. It prints "port P" once the
 whole tree is up, and everything exits when its stdin closes.
 """
@@ -34,9 +36,11 @@ def child(ranks: int) -> None:
         proc.wait()
 
 
-def serve(metrics: Path, ranks: int, host: str, version: str, ledger: Path | None = None) -> None:
+def serve(metrics: Path, ranks: int, host: str, version: str, ledger: Path | None = None,
+          engine_dead: bool = False) -> None:
     bodies = {"/metrics": ("text/plain; version=0.0.4", metrics.read_bytes()),
-              "/version": ("application/json", json.dumps({"version": version}).encode())}
+              "/version": ("application/json", json.dumps({"version": version}).encode()),
+              "/health": ("text/plain", b"")}
     if ledger is not None:
         bodies["/vramledger/memory"] = ("application/json", ledger.read_bytes())
 
@@ -46,7 +50,8 @@ def serve(metrics: Path, ranks: int, host: str, version: str, ledger: Path | Non
 
         def do_GET(self):
             kind, body = bodies.get(self.path, ("text/plain", b""))
-            self.send_response(200 if self.path in bodies else 404)
+            code = 503 if engine_dead and self.path == "/health" else 200
+            self.send_response(code if self.path in bodies else 404)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -74,9 +79,10 @@ if __name__ == "__main__":
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--version", default="0.32.0")
+    parser.add_argument("--engine-dead", action="store_true")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         child(args.child)
     else:
-        serve(args.metrics, args.ranks, args.host, args.version, args.ledger)
+        serve(args.metrics, args.ranks, args.host, args.version, args.ledger, args.engine_dead)

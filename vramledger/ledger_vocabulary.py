@@ -10,3 +10,6 @@ WORKER_COMPONENTS = tuple(c for c in COMPONENTS if c != "cuda_graph")
 # An entry's scope: measured for its process alone, or read from the device's free memory, which
 # also moves when other processes allocate (how a neighbour gets charged to an engine).
 SCOPE_PROCESS, SCOPE_DEVICE = "process", "device"
+# A vLLM server's processes besides its ranks, by role (the vLLM plugin's "processes": the API server, the
+# engine core, vLLM's helpers); each declares the host memory it held once the server was ready.
+SERVER_ROLES = ("api_server", "engine_core", "other")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from exporter.engines.ranks import RankLedger
+from exporter.engines.ranks import RankLedger, ServerProcess
 from exporter.sources import HOST, DeviceMemory
 
 
@@ -35,6 +35,8 @@ class EngineState:
     declared_bytes: int | None = None  # a fixed declaration, whatever the device (a ledger's total)
     declared_share: float | None = None  # or a share of the total memory of each device it uses
     ranks: tuple[RankLedger, ...] = ()  # or its ledger per rank, each on its device (published too)
+    # With its ranks: its other processes, each declaring host memory (vLLM's API server, engine core).
+    processes: tuple[ServerProcess, ...] = ()
     # True where pids are only the engine's word: no process behind its port (or in its pod) could be
     # seen to check them against. Pids found there are the engine's before any such claim.
     claimed: bool = False
@@ -45,18 +47,22 @@ class EngineState:
             return self.declared_bytes
         if self.ranks:
             here = [r.declared_bytes for r in self.ranks if r.on(device)]
+            if device.device == HOST:
+                here += [p.bytes for p in self.processes]
             return sum(here) if here else None
         if self.declared_share is not None and device.device != HOST:  # a GPU's share, never the host's
             return math.ceil(self.declared_share * device.total)  # vLLM's rounding (request_memory)
         return None
 
     def declared_total(self, used: list[DeviceMemory]) -> int | None:
-        """All it declares: a fixed declaration or its ranks' as they are, a share summed over the
-        devices it uses (used); None when it declares nothing."""
+        """All it declares: a fixed declaration or its ranks' as they are (with its other processes' where
+        it uses the host), a share summed over the devices it uses (used); None when it declares nothing."""
         if self.declared_bytes is not None:
             return self.declared_bytes
-        if self.ranks:
-            return sum(r.declared_bytes for r in self.ranks)
+        if self.ranks:  # the other processes' host memory where the host is read (the host reader)
+            on_host = any(dev.device == HOST for dev in used)
+            others = sum(p.bytes for p in self.processes) if on_host else 0
+            return sum(r.declared_bytes for r in self.ranks) + others
         shares = [self.declared_on(dev) for dev in used]
         known = [share for share in shares if share is not None]
         return sum(known) if known and len(known) == len(shares) else None

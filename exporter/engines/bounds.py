@@ -15,7 +15,7 @@ from exporter.engines.ranks import RankLedger
 MAX_BYTES = 1 << 50  # 1 PiB: above the memory of any device or host an engine runs on
 PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT on 64-bit: the most /proc/sys/kernel/pid_max allows
 MAX_LABEL = 256  # characters of a label value an engine names (a model path, a version, a component)
-MAX_RANKS = 1024  # ranks of one server's ledger, and the highest rank number
+MAX_RANKS = 1024  # ranks of one server's ledger, and the highest rank number; its other processes
 MAX_ENTRIES = 256  # entries of one rank's ledger (each a series)
 _SHOWN = 60  # characters of a refused value a message repeats
 
@@ -65,6 +65,12 @@ def check_state(state: EngineState) -> None:
         raise OutOfBounds(f"{len(state.ranks)} ranks, beyond {MAX_RANKS}")
     for rank in state.ranks:
         _check_rank(rank)
+    if len(state.processes) > MAX_RANKS:
+        raise OutOfBounds(f"{len(state.processes)} other processes, beyond {MAX_RANKS}")
+    for process in state.processes:
+        if not is_pid(process.pid):
+            raise OutOfBounds(f"{process.role} pid {shown(process.pid)} is beyond the kernel's 1..{PID_MAX}")
+        check_bytes(process.bytes, f"{process.role} bytes")
 
 
 def _check_rank(rank: RankLedger) -> None:

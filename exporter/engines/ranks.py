@@ -72,6 +72,15 @@ class RankLedger:
         return total
 
 
+@dataclass(frozen=True)
+class ServerProcess:
+    """A process of a vLLM server besides its ranks (its API server, its engine core, a helper): the host
+    memory it declares, what it held when the server became ready."""
+    role: str  # vramledger.ledger_vocabulary.SERVER_ROLES
+    pid: int
+    bytes: int
+
+
 def _bare_uuid(uuid: str) -> str:
     # NVML says "GPU-<uuid>", torch the bare UUID.
     return uuid.removeprefix("GPU-").removeprefix("MIG-")

@@ -1,9 +1,11 @@
-"""A vLLM server: its /metrics (vllm:* series), the process tree behind its port, what it declares.
+"""A vLLM server: its /metrics (vllm:* series), its /health, the process tree behind its port, what it
+declares.
 
-vLLM's API server starts an engine-core process (and, with tensor parallelism, one worker per rank);
-those children hold the device memory, so the whole tree is the worker. With the vLLM plugin enabled
-it declares its ledger, rank by rank (vllm_ledger.py). Without it, its budget is vLLM V1's own rule:
-gpu_memory_utilization x the total memory of each device it uses. With an explicit
+vLLM's API server starts an engine-core process (and, with tensor parallelism or on vLLM's CPU build,
+one worker per rank); those children hold the device memory, so the whole tree is the worker. With the
+vLLM plugin enabled it declares its ledger, rank by rank, and its other processes' host memory
+(vllm_ledger.py). Without it, its budget is vLLM V1's own rule: gpu_memory_utilization x the total
+memory of each device it uses. With an explicit
 kv_cache_memory_bytes that budget is unknown and nothing is declared; vLLM's CPU backend reports
 its VLLM_CPU_KVCACHE_SPACE that way, and a share of the host is no budget anyway.
 """
@@ -16,7 +18,7 @@ from functools import lru_cache
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from exporter.engines.base import EngineInfo, EngineState, Loading, NotServing, Unreachable, Wrong
 from exporter.engines.bounds import OutOfBounds, shown
 from exporter.engines.fetch import HttpClient, fetch
 from exporter.engines.vllm_ledger import LedgerReader
@@ -116,8 +118,8 @@ def _number(text: str | None, kind):
 
 
 class VllmEngine:
-    """Reads one vLLM server each scrape: GET /metrics, and its processes by port (or a given pid); its
-    ledger (GET /vramledger/memory) once per process tree.
+    """Reads one vLLM server each scrape: GET /metrics and /health, and its processes by port (or a given
+    pid); its ledger (GET /vramledger/memory) once per process tree.
 
     A server that is not serving says why through NotServing (a vLLM that is still loading does not
     accept connections yet: unreachable). Processes that cannot be found are counted in
@@ -136,6 +138,7 @@ class VllmEngine:
     def read(self) -> EngineState:
         try:
             metrics = self.read_metrics()
+            self.check_health()
         except NotServing:
             self._locator.forget()
             self._ledger.forget()
@@ -146,8 +149,9 @@ class VllmEngine:
         except (NotFound, ValueError) as e:
             self._errors.record(SOURCE, f"no_process {self.url}", f"{self.url}: {e}")
             pids = frozenset()
+        ledger = self._ledger.read(pids)
         return EngineState(pids, EngineInfo(KIND, self._read_version(), metrics.model), metrics.kv_usage,
-                           declared_share=metrics.declared_share, ranks=self._ledger.read(pids))
+                           declared_share=metrics.declared_share, ranks=ledger.ranks, processes=ledger.processes)
 
     def read_metrics(self) -> VllmMetrics:
         """GET /metrics, parsed; raises NotServing."""
@@ -160,6 +164,20 @@ class VllmEngine:
                             f"{self.url} (in a cluster: pod label vramledger.io/engine: vramledger)",
                             wrong_kind=True) from None
             raise Wrong(f"{self.url}/metrics: {e}") from None
+
+    def check_health(self) -> None:
+        """GET /health; raises NotServing where vLLM says its engine is not healthy.
+
+        vLLM's API server answers /metrics whatever its engine core does, but /health asks the engine
+        client: 503 once the engine core has died (vllm/entrypoints/serve/instrumentator/health.py:
+        EngineDeadError), until the API server exits (its watchdog, within 5 s; never with
+        VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1). Such a server serves nothing: it is down, not loading (a vLLM
+        that is loading accepts no connection yet).
+        """
+        try:
+            fetch(self._client, self.url + "/health")
+        except Loading as e:
+            raise Unreachable(f"{self.url}/health answered 503: its engine core is dead ({e})") from None
 
     def close(self) -> None:
         pass

@@ -5,22 +5,59 @@ result), so it is asked once per process tree of the server, not on every scrape
 vLLM a call into every rank between two engine steps. What moves, the processes' memory and the KV
 cache's use, the exporter reads itself on every scrape. A vLLM without the plugin answers 404: it is
 not asked again until its processes change, and nothing is counted.
+
+Besides its ranks, the document lists the server's other processes (the API server, the engine core,
+vLLM's helpers), each declaring the host memory it held when the server became ready.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from exporter.engines.base import Loading, NotServing, Unreachable
 from exporter.engines.bounds import shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
-from exporter.engines.ranks import Entry, RankLedger, Sizing
+from exporter.engines.ranks import Entry, RankLedger, ServerProcess, Sizing
 from exporter.engines.vramledger import LedgerError, is_int, parse_ledger
 from exporter.errors import ErrorLog
+from vramledger.ledger_vocabulary import SERVER_ROLES
 
 log = logging.getLogger(__name__)
 
 PATH = "/vramledger/memory"
 SOURCE = "vllm"
+
+
+@dataclass(frozen=True)
+class ServerLedger:
+    """What a vLLM server with the plugin declares: its ranks' ledgers and its other processes."""
+    ranks: tuple[RankLedger, ...] = ()
+    processes: tuple[ServerProcess, ...] = ()
+
+
+NO_LEDGER = ServerLedger()
+
+
+def parse(url: str, doc: object) -> ServerLedger:
+    """The plugin's document; raises LedgerError where it is not that document."""
+    return ServerLedger(parse_ranks(url, doc), parse_processes(doc))
+
+
+def parse_processes(doc: object) -> tuple[ServerProcess, ...]:
+    """The server's other processes; () from a plugin that lists none (null: it could not measure them)."""
+    listed = doc.get("processes") if isinstance(doc, dict) else None
+    if listed is None:
+        return ()
+    if not isinstance(listed, list):
+        raise LedgerError(f"processes {shown(listed)} is no list")
+    return tuple(_process(p) for p in listed)
+
+
+def _process(doc: object) -> ServerProcess:
+    role, pid, size = (doc.get(k) for k in ("role", "pid", "bytes")) if isinstance(doc, dict) else (None,) * 3
+    if role not in SERVER_ROLES or not is_int(pid) or not is_int(size) or size < 0:
+        raise LedgerError(f"bad process {shown(doc)} (a role of {', '.join(SERVER_ROLES)}, a pid, bytes)")
+    return ServerProcess(role, pid, size)
 
 
 def parse_ranks(url: str, doc: object) -> tuple[RankLedger, ...]:
@@ -73,43 +110,43 @@ def _sizing(rank: int, doc: object) -> Sizing | None:
 
 
 class LedgerReader:
-    """The ledger of one vLLM server, asked once per process tree; () when there is none to read."""
+    """The ledger of one vLLM server, asked once per process tree; NO_LEDGER when there is none to read."""
 
     def __init__(self, url: str, client: HttpClient, errors: ErrorLog):
         self.url = url
         self._client = client
         self._errors = errors
         self._tree: frozenset[int] | None = None  # the processes the kept answer is theirs
-        self._ranks: tuple[RankLedger, ...] = ()
+        self._ledger = NO_LEDGER
         self._said = ""  # the last outcome logged, so that a restart with the same one logs nothing
 
-    def read(self, tree: frozenset[int]) -> tuple[RankLedger, ...]:
-        """The ranks' ledgers of the server whose processes are tree (frozenset() where unknown)."""
+    def read(self, tree: frozenset[int]) -> ServerLedger:
+        """The ledger of the server whose processes are tree (frozenset() where unknown)."""
         if tree == self._tree:
-            return self._ranks
+            return self._ledger
         try:
-            ranks = parse_ranks(self.url, fetch(self._client, self.url + PATH).json())
+            ledger = parse(self.url, fetch(self._client, self.url + PATH).json())
         except WrongStatus as e:
             if e.status_code != 404:
                 self._errors.record(SOURCE, f"ledger_status {self.url}", f"{self.url}{PATH}: {e}")
-            ranks = ()
+            ledger = NO_LEDGER
             self._say("absent" if e.status_code == 404 else "wrong")
         except (Loading, Unreachable) as e:  # a busy or stopping engine: asked again next scrape
             note = self._errors.record if e.counted else self._errors.note  # counted: it answered too slowly
             note(SOURCE, f"ledger_unanswered {self.url}", f"{e} (asked again next scrape)")
-            return ()
+            return NO_LEDGER
         except (NotServing, ValueError) as e:  # not JSON, not the plugin's document
             self._errors.record(SOURCE, f"bad_ledger {self.url}", f"{self.url}{PATH}: not vLLM's ledger: {e}")
-            ranks = ()
+            ledger = NO_LEDGER
             self._say("wrong")
         else:
-            self._say(f"{len(ranks)} ranks")
-        self._tree, self._ranks = tree, ranks
-        return ranks
+            self._say(f"{len(ledger.ranks)} ranks, {len(ledger.processes)} other processes")
+        self._tree, self._ledger = tree, ledger
+        return ledger
 
     def forget(self) -> None:
         """The server stopped answering: ask its ledger again once it serves."""
-        self._tree, self._ranks = None, ()
+        self._tree, self._ledger = None, NO_LEDGER
 
     def _say(self, outcome: str) -> None:
         if outcome == self._said:

@@ -6,10 +6,15 @@ the engine client's collective_rpc, the path vLLM's plugin contract names for th
 moment, so live values are live and nothing is left behind when vLLM stops (no files to go
 stale, no directory to agree on). The engine answers between two steps, so a busy engine delays
 the answer by one step; a stuck one gets a 504 after RPC_TIMEOUT_S.
+
+The server's other processes (this API server, the engine core, vLLM's helpers) keep no ledger: each
+declares the host memory it held when the server became ready (server_processes.py), measured here
+when vLLM sets up the endpoint's state, just before it takes requests.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -17,6 +22,9 @@ from fastapi.responses import JSONResponse
 from vramledger.ledger_vocabulary import LEDGER_VERSION
 from vramledger.vllm_plugin.gate import PLUGIN_NAME
 from vramledger.vllm_plugin.hooks import RPC_METHOD
+from vramledger.vllm_plugin.server_processes import at_ready, declarations
+
+log = logging.getLogger("vllm.plugins.vramledger")
 
 PATH = "/vramledger/memory"
 RPC_TIMEOUT_S = 10.0
@@ -36,6 +44,14 @@ class MemoryEndpoint:
 
     async def init_state(self, engine_client, state, args) -> None:
         state.vramledger_engine = engine_client
+        state.vramledger_at_ready = None
+        if engine_client is None:
+            return
+        try:  # the engine is up, its ranks hold their KV caches: the server's processes as it gets ready
+            state.vramledger_at_ready = await asyncio.to_thread(at_ready)
+        except Exception as e:  # the plugin must never break vLLM: the document says null instead
+            log.warning("vramledger: measuring the server's processes failed (%s: %s); its document declares "
+                        "none of them", type(e).__name__, e)
 
     async def memory(self, request: Request):
         engine = getattr(request.app.state, "vramledger_engine", None)
@@ -49,8 +65,11 @@ class MemoryEndpoint:
         except Exception as e:  # a dead engine, or ranks started without the plugin
             return JSONResponse({"error": f"the engine's ranks gave no ledger: {type(e).__name__}: {e}"},
                                 status_code=503)
+        snapshot = getattr(request.app.state, "vramledger_at_ready", None)
+        rank_pids = frozenset(r["worker"]["pid"] for r in ranks)
+        processes = None if snapshot is None else await asyncio.to_thread(declarations, snapshot, rank_pids)
         return {"version": LEDGER_VERSION, "engine": "vllm", "engine_version": self.vllm_version,
-                "ranks": sorted(ranks, key=lambda r: r["rank"])}
+                "ranks": sorted(ranks, key=lambda r: r["rank"]), "processes": processes}
 
 
 class InactiveEndpoint:

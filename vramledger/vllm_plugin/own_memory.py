@@ -1,4 +1,5 @@
-"""This process's own memory on its device: RSS on the CPU, NVML's count for its pid on CUDA
+"""This process's own memory on its device: its PSS on the CPU (vramledger/procfs.py, as the exporter's
+host reader observes it; its RSS where PSS cannot be read), NVML's count for its pid on CUDA
 (vramledger/own_memory.py, the reader the worker uses too).
 
 Never the device's free memory: a neighbour's allocations must not move it. Where NVML cannot see
@@ -7,9 +8,10 @@ out, saying why.
 """
 from __future__ import annotations
 
-import psutil
+import os
 
 from vramledger.own_memory import OwnDeviceMemory, OwnMemoryUnseen
+from vramledger.procfs import read_pss, read_rss
 
 __all__ = ["OwnMemory", "OwnMemoryUnseen"]
 
@@ -19,20 +21,25 @@ class OwnMemory:
 
     def __init__(self, kind: str, index: int = 0, uuid: str | None = None):
         self.kind = kind
-        self._process = psutil.Process()
+        self._pid = os.getpid()
         self._device = OwnDeviceMemory.open(_pynvml(), index, uuid) if kind == "cuda" else None
+        # The host's measure, chosen once: PSS where this kernel gives it (4.14 on), else RSS.
+        self._host_measure = "pss" if read_pss(self._pid) is not None else "rss"
 
     @property
     def source(self) -> str | None:
-        """What read() gives: "rss", "nvml", or None where NVML has no device to read."""
+        """What read() gives: "pss" (or "rss"), "nvml", or None where NVML has no device to read."""
         if self._device is None:
-            return "rss"
+            return self._host_measure
         return "nvml" if self._device.handle is not None else None
 
     def read(self) -> int:
         """Bytes held now; raises OwnMemoryUnseen where NVML cannot see this process."""
         if self._device is None:
-            return self._process.memory_info().rss
+            held = (read_pss if self._host_measure == "pss" else read_rss)(self._pid)
+            if held is None:  # our own /proc entry: there unless /proc is unmounted meanwhile
+                raise OwnMemoryUnseen("/proc does not show this process")
+            return held
         return self._device.read()
 
     def device_name(self) -> str | None:

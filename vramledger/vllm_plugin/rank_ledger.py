@@ -15,6 +15,7 @@ from vramledger.vllm_plugin.sizing import OWN_PROCESS, own_charge
 from vramledger.vllm_plugin.tensors import model_bytes, storage_bytes
 
 _identity: ProcessIdentity | None = None
+NULL_BLOCKS = 1  # BlockPool.__init__ takes the first free block as its null block, for good
 
 
 def document(worker, record: StartupRecord) -> dict:
@@ -36,11 +37,7 @@ def document(worker, record: StartupRecord) -> dict:
                    "kv_cache_memory": cache_config.kv_cache_memory_bytes, "sized_by": record.sized_by},
         "entries": entries,
         "declared_bytes": declared,
-        "kv_cache": {"block_size": record.block_size,
-                     "bytes_per_block": kv // record.blocks_total if record.blocks_total else 0,
-                     "blocks_total": record.blocks_total,
-                     "capacity_tokens": record.blocks_total * record.block_size,
-                     "sized_bytes": record.kv_cache_sized_bytes},
+        "kv_cache": _kv_cache(record, kv),
         "profile": _profile(record),
         "sizing": record.sizing.to_dict(),
         "live": {"process_bytes": process, "process_source": record.memory.source if record.memory else None,
@@ -83,6 +80,18 @@ def _entries(worker, record: StartupRecord) -> list[dict]:
     if record.blocks_total:
         add("kv_cache", storage_bytes(worker.model_runner.kv_caches, set()), SCOPE_PROCESS, in_budget=True)
     return sorted(entries, key=lambda e: COMPONENTS.index(e["component"]))
+
+
+def _kv_cache(record: StartupRecord, kv_bytes: int) -> dict:
+    """The KV cache's blocks as vLLM's scheduler counts them: it keeps one block back, never handed out
+    (vllm/v1/core/block_pool.py: the null block, which vllm:kv_cache_usage_perc does not count)."""
+    reserved = min(NULL_BLOCKS, record.blocks_total)
+    usable = record.blocks_total - reserved
+    return {"block_size": record.block_size,
+            "bytes_per_block": kv_bytes // record.blocks_total if record.blocks_total else 0,
+            "blocks_total": usable, "blocks_reserved": reserved,
+            "capacity_tokens": usable * record.block_size,
+            "sized_bytes": record.kv_cache_sized_bytes}
 
 
 def loaded_models(runner) -> dict:

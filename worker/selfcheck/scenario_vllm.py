@@ -167,10 +167,11 @@ def check_ledger(result: ScenarioResult, doc: dict, blocks: int | None, seen: in
                              f"{share:.2f} x {format_bytes(total or 0)} = "
                              f"{format_bytes(wanted_budget or 0)}"))
     kv, cache = entries.get(("kv_cache", ""), {}).get("bytes"), rank["kv_cache"]
+    allocated = cache["blocks_total"] + cache.get("blocks_reserved", 0)  # the blocks it hands out, its null block
     result.add(Check.compare(
-        "KV cache allocated", kv is not None and blocks is not None and cache["blocks_total"] == blocks
+        "KV cache allocated", kv is not None and blocks is not None and allocated == blocks
         and kv == blocks * cache["bytes_per_block"],
-        f"{format_bytes(kv or 0)}: {cache['blocks_total']} blocks x {format_bytes(cache['bytes_per_block'])}",
+        f"{format_bytes(kv or 0)}: {allocated} blocks x {format_bytes(cache['bytes_per_block'])}",
         f"{blocks} blocks (vllm:cache_config_info)"))
     declared = rank["declared_bytes"]
     idle = declared - entries.get(("activation_peak", ""), {}).get("bytes", 0)

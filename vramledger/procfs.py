@@ -1,0 +1,56 @@
+"""A host process's memory as /proc gives it: its RSS, its proportional set size (PSS) and its start
+time. The exporter's host reader and the vLLM plugin both measure host memory here, so that what a
+ledger declares on the CPU and what the exporter observes are the same measure (PSS).
+
+RSS counts a page that n processes share (a library, a fork's copy-on-write pages, shared memory) n
+times; PSS counts 1/n of it in each, so the PSS of a host's processes adds up to what they hold.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def read_rss(pid: int, proc_root: str | Path = "/proc") -> int | None:
+    """Resident bytes (as psutil's memory_info().rss); None when the process is gone or hidden."""
+    try:
+        with open(f"{proc_root}/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def read_start(pid: int, proc_root: str | Path = "/proc") -> int | None:
+    """When the process started, in clock ticks since boot: with its pid, who it is (pids are reused)."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            text = f.read()
+        return int(text[text.rindex(b")") + 2:].split()[19])  # field 22, after "pid (comm)"
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def read_pss(pid: int, proc_root: str | Path = "/proc") -> int | None:
+    """PSS in bytes; None when the process is gone, hidden (another user's, without privilege) or the
+    kernel has no smaps_rollup (before 4.14)."""
+    try:
+        with open(Path(proc_root) / str(pid) / "smaps_rollup", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(b"Pss:"):
+            return int(line.split()[1]) * 1024  # kB
+    return None
+
+
+def host_memory(pid: int) -> tuple[int, str] | None:
+    """(bytes, measure) of a process: its PSS ("pss"), else its RSS ("rss") where PSS cannot be read,
+    as the exporter's host reader measures it; None when the process is gone."""
+    pss = read_pss(pid)
+    if pss is not None:
+        return pss, "pss"
+    rss = read_rss(pid)
+    return None if rss is None else (rss, "rss")
