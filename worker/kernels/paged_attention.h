@@ -235,6 +235,23 @@ struct scratch {
   float *scores, *qt, *inverses, *sums, *wt;
 };
 
+/* Plan, sizes: the most rows of a run, and the fewest. */
+static inline void run_sizes(const struct paged_call *c, int64_t *rows, int64_t *fewest) {
+  /* Rows that start on one block (a shared prefix) form a run, up to TASK_LANES query heads of one
+   * key/value head (but at least kv_heads rows) and within MAX_ROWS_SCRATCH, and score the blocks
+   * they share in vector lanes (query_lanes.h). A task is a run's key/value head. Fewer such rows
+   * than would fill LANES_FROM lanes or than there are key/value heads are no run: each is a lone
+   * row, a task of all its key/value heads where there are at least as many runs and lone rows as
+   * threads (of one each otherwise). A thread's scratch is then never more than when every row shares one table,
+   * the step the memory profile runs (profile_run.py): a run's rows hold the scores of at least as
+   * many query heads as a lone row's. */
+  const int64_t row_scores = c->per_head * c->span * (int64_t)sizeof(float);
+  int64_t n = LANES_FROM > TASK_LANES ? 1 : larger(TASK_LANES / c->per_head, c->kv_heads);
+  if (n * row_scores > MAX_ROWS_SCRATCH) n = MAX_ROWS_SCRATCH / row_scores;
+  *rows = n > 32 ? 32 : n < 1 ? 1 : n;  /* a run's rows are the bits of a uint32_t */
+  *fewest = larger(larger((LANES_FROM + c->per_head - 1) / c->per_head, c->kv_heads), 2);  /* a run's rows */
+}
+
 /* Plan, rows: the rows that start on one block (a shared prefix), runs of up to `rows` of them, each
  * a run where it holds at least `fewest` and lone rows otherwise, into runs (NULL: only counted).
  * Returns how many; *several: how many of them are runs of more than one row. */
@@ -500,19 +517,8 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
   const int64_t shared = heads / kv_heads, per_head = Q * shared;
   const struct paged_call c = {q, keys, values, slots, positions, lengths, q_stride, B, Q, C, heads, kv_heads, D,
                                window, scale, out, shared, D / 16, per_head, C + 2 * CHUNK};
-  /* Rows that start on one block (a shared prefix) form a run, up to TASK_LANES query heads of one
-   * key/value head (but at least kv_heads rows) and within MAX_ROWS_SCRATCH, and score the blocks
-   * they share in vector lanes (query_lanes.h). A task is a run's key/value head. Fewer such rows
-   * than would fill LANES_FROM lanes or than there are key/value heads are no run: each is a lone
-   * row, a task of all its key/value heads where there are at least as many runs and lone rows as
-   * threads (of one each otherwise). A thread's scratch is then never more than when every row shares one table,
-   * the step the memory profile runs (profile_run.py): a run's rows hold the scores of at least as
-   * many query heads as a lone row's. */
-  const int64_t row_scores = per_head * c.span * (int64_t)sizeof(float);
-  int64_t rows = LANES_FROM > TASK_LANES ? 1 : larger(TASK_LANES / per_head, kv_heads);
-  if (rows * row_scores > MAX_ROWS_SCRATCH) rows = MAX_ROWS_SCRATCH / row_scores;
-  rows = rows > 32 ? 32 : rows < 1 ? 1 : rows;  /* a run's rows are the bits of a uint32_t */
-  const int64_t fewest = larger(larger((LANES_FROM + per_head - 1) / per_head, kv_heads), 2);  /* a run's rows */
+  int64_t rows, fewest;
+  run_sizes(&c, &rows, &fewest);
   /* Every thread plans the same tasks; the count needs no allocation, so that a thread without
    * memory still runs the same `omp for` as the others. */
   struct scratch s = {.runs = malloc((B + 1) * sizeof(int64_t))};
