@@ -10,7 +10,9 @@
  * computes what its own kernel computes, to the bit, save SiLU and RoPE's cos and sin (the C
  * library's): rows keep their bits alone and in a batch. The stages' bodies are in those headers; the
  * embedding, angles, SiLU and head are here. Built by native.py, called through decoder_layers.py;
- * threads come from torch's OpenMP pool.
+ * threads come from torch's OpenMP pool. Returns 0, or KERNEL_OUT_OF_MEMORY where an attention stage's
+ * scratch could not be allocated: the threads then stop after that layer, all of them, and x, logits
+ * and the cache slots this step wrote are not to be read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -106,7 +108,7 @@ static void silu_mul_in_team(const float *gate_up, int64_t rows, int64_t inner, 
  * output. write_rows (NULL: all), write_slots: [writes] as rotate_store. keys, values: layer 0's [slots,
  * kv_heads, D], each next layer layer_stride floats on. logits [sum of the parts' B * n, vocab] out where
  * ends->head is set. work: scratch of M * (2 hidden + (2 heads + 2 kv_heads + 1) D + 3 inner) floats. */
-void decoder_forward(const struct layer *layers, int64_t num_layers, const struct ends *ends, const int64_t *ids,
+int decoder_forward(const struct layer *layers, int64_t num_layers, const struct ends *ends, const int64_t *ids,
                      const int64_t *positions, float *x, int64_t M, int64_t hidden, int64_t heads, int64_t kv_heads,
                      int64_t D, int64_t inner, float eps, const int64_t *write_rows, const int64_t *write_slots,
                      int64_t writes, float *keys, float *values, int64_t layer_stride, const struct part *parts,
@@ -117,8 +119,10 @@ void decoder_forward(const struct layer *layers, int64_t num_layers, const struc
   float *cos = act + M * inner, *sin = cos + M * D / 2, *gathered = sin + M * D / 2;
   int64_t wanted = 0;
   for (int64_t p = 0; p < num_parts; p++) wanted += parts[p].n;
+  int failed = 0;  /* set by a thread whose attention scratch could not be had */
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    int stop = 0;
     embed_and_angles_in_team(ends, ids, positions, M, hidden, D / 2, x, cos, sin);
     for (int64_t l = 0; l < num_layers; l++) {
       const struct layer *w = layers + l;
@@ -130,17 +134,25 @@ void decoder_forward(const struct layer *layers, int64_t num_layers, const struc
         const struct part *a = parts + p;
         if (a->prefill)
           prefill_attention_in_team(qkv + first * width, width, k, v, a->slots, a->positions, a->lengths, a->B,
-                                    a->Q, a->C, heads, kv_heads, D, w->window, scale, attended + first * heads * D);
+                                    a->Q, a->C, heads, kv_heads, D, w->window, scale, attended + first * heads * D,
+                                    &failed);
         else
           paged_attention_in_team(qkv + first * width, width, k, v, a->slots, a->positions, a->lengths, a->B,
-                                  a->Q, a->C, heads, kv_heads, D, w->window, scale, attended + first * heads * D);
+                                  a->Q, a->C, heads, kv_heads, D, w->window, scale, attended + first * heads * D,
+                                  &failed);
       }
+      /* Read after every part's closing barrier and before the next attention stage's (several
+       * barriers on), so that every thread reads the same and all stop together. */
+#pragma omp atomic read
+      stop = failed;
+      if (stop) break;
       blocked_linear_in_team(attended, M, heads * D, w->o, hidden, w->o_bias, x, x);
       rms_norm_in_team(x, M, hidden, w->post_norm, eps, normed);
       blocked_linear_in_team(normed, M, hidden, w->gate_up, 2 * inner, w->gate_up_bias, NULL, gate_up);
       silu_mul_in_team(gate_up, M, inner, act);
       blocked_linear_in_team(act, M, inner, w->down, hidden, w->down_bias, x, x);
     }
-    if (ends->head && wanted) head_in_team(ends, x, parts, num_parts, hidden, eps, gathered, normed, logits);
+    if (ends->head && wanted && !stop) head_in_team(ends, x, parts, num_parts, hidden, eps, gathered, normed, logits);
   }
+  return failed;
 }

@@ -74,7 +74,8 @@ def _kernel():
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
     return native.function("decoder_layers", "decoder_forward", pointer, int64, pointer, pointer, pointer, pointer,
                            int64, int64, int64, int64, int64, int64, ctypes.c_float, pointer, pointer, int64,
-                           pointer, pointer, int64, pointer, int64, ctypes.c_float, pointer, pointer, ctypes.c_int)
+                           pointer, pointer, int64, pointer, int64, ctypes.c_float, pointer, pointer, ctypes.c_int,
+                           returns_status=True)
 
 
 def available() -> bool:

@@ -7,18 +7,24 @@
  * A draft step also needs the distribution it drew from (verification divides by it): given
  * `probs`, the kernel writes each row's weights / total there, one more pass over the scratch row.
  * The body is here, its softmax and draw in softmax_draw.h. Built by native.py, called through
- * draw_tokens.py, on the calling thread.
+ * draw_tokens.py, on the calling thread. Returns 0, or KERNEL_OUT_OF_MEMORY where its scratch row
+ * could not be allocated (nothing written then).
  */
 #include <stdlib.h>
 
 #include "softmax_draw.h"
 
 /* logits [N, V] dense; temperature [N] (> 0); u [N] in [0, 1); tokens [N] out; probs [N, V] out, or NULL. */
-void draw_tokens(const float *logits, int64_t N, int64_t V, const float *temperature, const float *u,
+int draw_tokens(const float *logits, int64_t N, int64_t V, const float *temperature, const float *u,
                  int64_t *tokens, float *probs) {
   const int64_t blocks = (V + 15) / 16;
   float *weights = aligned_floats(blocks * 16);
   float *block_sums = malloc(blocks * sizeof(float));
+  if (!weights || !block_sums) {
+    free(block_sums);
+    free(weights);
+    return KERNEL_OUT_OF_MEMORY;
+  }
   for (int64_t r = 0; r < N; r++) {
     const float total = softmax_weights(logits + r * V, V, temperature[r], weights, block_sums);
     if (probs) {
@@ -30,4 +36,5 @@ void draw_tokens(const float *logits, int64_t N, int64_t V, const float *tempera
   }
   free(block_sums);
   free(weights);
+  return 0;
 }

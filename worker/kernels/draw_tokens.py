@@ -15,7 +15,7 @@ from worker.kernels import native
 def _kernel():
     pointer = ctypes.c_void_p
     return native.function("draw_tokens", "draw_tokens", pointer, ctypes.c_int64, ctypes.c_int64, pointer,
-                           pointer, pointer, pointer)
+                           pointer, pointer, pointer, returns_status=True)
 
 
 def available() -> bool:

@@ -10,6 +10,10 @@ returns None (saying why once) and callers keep torch's ops.
 An image built once for many machines ships them prebuilt, for both instruction sets:
 `python -m worker.kernels.native DIR` builds every kernel into DIR, and VRAMLEDGER_KERNELS_DIR=DIR
 makes `load` take a library from there before it compiles anything.
+
+A kernel that allocates scratch returns a status (0, or KERNEL_OUT_OF_MEMORY from vec16.h where its
+scratch could not be had): `function(..., returns_status=True)` wraps it so that the status raises
+MemoryError naming the kernel, instead of the call going on over memory it does not hold.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 LIBRARIES = ["-lm"]  # after the source: the linker keeps only libraries that something before them needs
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}  # torch's name for the CPU's level
 PREBUILT_ENV = "VRAMLEDGER_KERNELS_DIR"
+OUT_OF_MEMORY = 1  # vec16.h's KERNEL_OUT_OF_MEMORY
 
 
 def isa() -> str | None:
@@ -92,14 +97,25 @@ def load(stem: str) -> ctypes.CDLL | None:
         return None
 
 
-def function(stem: str, name: str, *argtypes) -> Callable[..., None] | None:
-    """A kernel's C function with its argument types set, or None where the library cannot run."""
+def function(stem: str, name: str, *argtypes, returns_status: bool = False) -> Callable[..., None] | None:
+    """A kernel's C function with its argument types set, or None where the library cannot run.
+    returns_status: the C function returns a status, which the returned callable checks."""
     library = load(stem)
     if library is None:
         return None
     found = getattr(library, name)
-    found.argtypes, found.restype = list(argtypes), None
-    return found
+    found.argtypes, found.restype = list(argtypes), ctypes.c_int if returns_status else None
+    return _raising(name, found) if returns_status else found
+
+
+def _raising(name: str, kernel: Callable[..., int]) -> Callable[..., None]:
+    def call(*args) -> None:
+        status = kernel(*args)
+        if status == OUT_OF_MEMORY:
+            raise MemoryError(f"the {name} kernel ran out of memory: its scratch could not be allocated")
+        if status != 0:
+            raise RuntimeError(f"the {name} kernel failed with status {status}")
+    return call
 
 
 def build_all(into: Path) -> list[Path]:

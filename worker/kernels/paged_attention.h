@@ -209,16 +209,34 @@ static void transpose_queries(float *qt, const float *q, int64_t q_stride, int64
   }
 }
 
-/* q: token t = b * Q + i at q + t * q_stride, head h at + h * D. keys, values: [slots, kv_heads, D].
- * slots: [B, C]; positions: [B, Q]; lengths: [B]; out: [B, Q, heads, D]. D % 16 == 0, D <= 128.
- * Run by every thread of the parallel region it is called in (an `omp for`, ending in a barrier). */
-static void paged_attention_in_team(const float *q, int64_t q_stride, const float *keys, const float *values,
-                                    const int64_t *slots, const int64_t *positions, const int64_t *lengths,
-                                    int64_t B, int64_t Q, int64_t C, int64_t heads, int64_t kv_heads, int64_t D,
-                                    int64_t window, float scale, float *out) {
-  const int threads = omp_get_num_threads();
-  const int64_t shared = heads / kv_heads, vectors = D / 16, per_head = Q * shared;
-  const int64_t span = C + 2 * CHUNK;  /* the most positions a row's chunks cover */
+/* One call's arguments (as paged_attention_in_team's) and the sizes that follow from them. */
+struct paged_call {
+  const float *q, *keys, *values;
+  const int64_t *slots, *positions, *lengths;
+  int64_t q_stride, B, Q, C, heads, kv_heads, D, window;
+  float scale;
+  float *out;
+  int64_t shared, vectors, per_head, span;  /* span: the most positions a row's chunks cover */
+};
+
+/* Rows b0 .. b0 + count (a run, or a lone row), key/value heads g0 .. g0 + group. */
+struct task { int64_t b0, count, g0, group; };
+
+/* A thread's plan and scratch, reused by its tasks: each row's reads and scores (then weights), and
+ * the transposed queries (query_lanes.h) of the rows that read the chunk at hand, for each head and
+ * set of 16; for the weighted values, each query head's inverse sum of weights and its sums over the
+ * chunks summed in lanes, and the weights transposed. */
+struct scratch {
+  int64_t *runs;  /* run k: rows runs[k] .. runs[k + 1] */
+  struct task *tasks;
+  struct row_reads *reads;
+  const float **pointers;
+  int64_t *bounds;
+  float *scores, *qt, *inverses, *sums, *wt;
+};
+
+/* Plan, sizes: the most rows of a run, and the fewest. */
+static inline void run_sizes(const struct paged_call *c, int64_t *rows, int64_t *fewest) {
   /* Rows that start on one block (a shared prefix) form a run, up to TASK_LANES query heads of one
    * key/value head (but at least kv_heads rows) and within MAX_ROWS_SCRATCH, and score the blocks
    * they share in vector lanes (query_lanes.h). A task is a run's key/value head. Fewer such rows
@@ -227,177 +245,309 @@ static void paged_attention_in_team(const float *q, int64_t q_stride, const floa
    * threads (of one each otherwise). A thread's scratch is then never more than when every row shares one table,
    * the step the memory profile runs (profile_run.py): a run's rows hold the scores of at least as
    * many query heads as a lone row's. */
-  const int64_t row_scores = per_head * span * (int64_t)sizeof(float);
-  int64_t rows = LANES_FROM > TASK_LANES ? 1 : larger(TASK_LANES / per_head, kv_heads);
-  if (rows * row_scores > MAX_ROWS_SCRATCH) rows = MAX_ROWS_SCRATCH / row_scores;
-  rows = rows > 32 ? 32 : rows < 1 ? 1 : rows;  /* a run's rows are the bits of a uint32_t */
-  const int64_t fewest = larger(larger((LANES_FROM + per_head - 1) / per_head, kv_heads), 2);  /* a run's rows */
-  int64_t *runs = malloc((B + 1) * sizeof(int64_t)), row_runs = 0;  /* run k: rows runs[k] .. runs[k + 1] */
-  for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {  /* rows b0 .. b1 start on one block */
-    for (b1 = b0 + 1; b1 < B && slots[b1 * C] == slots[b0 * C]; b1++) {}
+  const int64_t row_scores = c->per_head * c->span * (int64_t)sizeof(float);
+  int64_t n = LANES_FROM > TASK_LANES ? 1 : larger(TASK_LANES / c->per_head, c->kv_heads);
+  if (n * row_scores > MAX_ROWS_SCRATCH) n = MAX_ROWS_SCRATCH / row_scores;
+  *rows = n > 32 ? 32 : n < 1 ? 1 : n;  /* a run's rows are the bits of a uint32_t */
+  *fewest = larger(larger((LANES_FROM + c->per_head - 1) / c->per_head, c->kv_heads), 2);  /* a run's rows */
+}
+
+/* Plan, rows: the rows that start on one block (a shared prefix), runs of up to `rows` of them, each
+ * a run where it holds at least `fewest` and lone rows otherwise, into runs (NULL: only counted).
+ * Returns how many; *several: how many of them are runs of more than one row. */
+static inline int64_t plan_runs(const struct paged_call *c, int64_t rows, int64_t fewest, int64_t *runs,
+                                int64_t *several) {
+  int64_t row_runs = 0;
+  *several = 0;
+  for (int64_t b0 = 0, b1; b0 < c->B; b0 = b1) {  /* rows b0 .. b1 start on one block */
+    for (b1 = b0 + 1; b1 < c->B && c->slots[b1 * c->C] == c->slots[b0 * c->C]; b1++) {}
     for (int64_t b = b0; b < b1; b += rows)
-      if (smaller(b1 - b, rows) >= fewest) runs[row_runs++] = b;
-      else for (int64_t lone = b; lone < b1 && lone < b + rows; lone++) runs[row_runs++] = lone;
+      if (smaller(b1 - b, rows) >= fewest) {  /* fewest >= 2: a run of several rows */
+        if (runs) runs[row_runs] = b;
+        row_runs++, (*several)++;
+      } else {
+        for (int64_t lone = b; lone < b1 && lone < b + rows; lone++, row_runs++)
+          if (runs) runs[row_runs] = lone;
+      }
   }
-  runs[row_runs] = B;
-  struct task { int64_t b0, count, g0, group; } *tasks = malloc(row_runs * kv_heads * sizeof *tasks);
-  int64_t jobs = 0, most_heads = 0, most_rows = 0, most_sets = 0;  /* tasks; their most query heads, rows, lane sets */
+  if (runs) runs[row_runs] = c->B;
+  return row_runs;
+}
+
+/* Plan, tasks: a run's rows take one key/value head a task; a lone row all of them where there are at
+ * least as many runs as threads (one each otherwise). The count, known without the runs themselves. */
+static inline int64_t count_tasks(const struct paged_call *c, int64_t row_runs, int64_t several, int threads) {
+  return row_runs < threads ? row_runs * c->kv_heads : several * c->kv_heads + (row_runs - several);
+}
+
+/* The tasks of the runs, and the scratch sizes they need: their most query heads, rows and lane sets. */
+static inline void plan_tasks(const struct paged_call *c, const int64_t *runs, int64_t row_runs, int threads,
+                              struct task *tasks, int64_t *most_heads, int64_t *most_rows, int64_t *most_sets) {
+  int64_t jobs = 0;
+  *most_heads = *most_rows = *most_sets = 0;
   for (int64_t k = 0; k < row_runs; k++) {
     const int64_t b0 = runs[k], n = runs[k + 1] - b0;
-    const int64_t group = n > 1 || row_runs < threads ? 1 : kv_heads;
-    for (int64_t g0 = 0; g0 < kv_heads; g0 += group) tasks[jobs++] = (struct task){b0, n, g0, group};
-    most_heads = larger(n * group * per_head, most_heads);
-    most_rows = larger(n, most_rows);
-    if (n * per_head >= LANES_FROM) most_sets = larger(group * lane_sets(n * per_head), most_sets);  /* it may share lanes */
+    const int64_t group = n > 1 || row_runs < threads ? 1 : c->kv_heads;
+    for (int64_t g0 = 0; g0 < c->kv_heads; g0 += group) tasks[jobs++] = (struct task){b0, n, g0, group};
+    *most_heads = larger(n * group * c->per_head, *most_heads);
+    *most_rows = larger(n, *most_rows);
+    if (n * c->per_head >= LANES_FROM)  /* it may share lanes */
+      *most_sets = larger(group * lane_sets(n * c->per_head), *most_sets);
   }
-  /* Per thread, reused by its tasks: each row's reads and scores (then weights), and the transposed
-   * queries (query_lanes.h) of the rows that read the chunk at hand, for each head and set of 16;
-   * for the weighted values, each query head's inverse sum of weights and its sums over the chunks
-   * summed in lanes, the weights transposed, and one set of lanes' weights and sums. */
-  struct row_reads *reads = malloc(most_rows * sizeof *reads);
-  const float **pointers = malloc(2 * most_rows * span * sizeof(float *));
-  float *scores = aligned_floats(most_heads * span), *qt = most_sets ? aligned_floats(most_sets * D * LANES) : NULL;
-  int64_t *bounds = malloc(2 * most_rows * Q * sizeof(int64_t));
-  float *inverses = malloc(most_heads * sizeof(float));
-  float *sums = most_sets ? aligned_floats(most_heads * 2 * D) : NULL, *wt = most_sets ? aligned_floats(span * LANES) : NULL;
+}
+
+/* The scratch of the tasks' sizes; 0 where some of it cannot be had (what was had stays for free_scratch). */
+static inline int take_scratch(struct scratch *s, const struct paged_call *c, int64_t most_heads, int64_t most_rows,
+                               int64_t most_sets) {
+  s->reads = malloc(most_rows * sizeof *s->reads);
+  s->pointers = malloc(2 * most_rows * c->span * sizeof(float *));
+  s->bounds = malloc(2 * most_rows * c->Q * sizeof(int64_t));
+  s->scores = aligned_floats(most_heads * c->span);
+  s->inverses = malloc(most_heads * sizeof(float));
+  if (most_sets) {
+    s->qt = aligned_floats(most_sets * c->D * LANES);
+    s->sums = aligned_floats(most_heads * 2 * c->D);
+    s->wt = aligned_floats(c->span * LANES);
+  }
+  return s->reads && s->pointers && s->bounds && s->scores && s->inverses &&
+         (!most_sets || (s->qt && s->sums && s->wt));
+}
+
+static inline void free_scratch(struct scratch *s) {
+  free(s->runs);
+  free(s->tasks);
+  free(s->reads);
+  free(s->pointers);
+  free(s->bounds);
+  free(s->scores);
+  free(s->qt);
+  free(s->inverses);
+  free(s->sums);
+  free(s->wt);
+}
+
+/* Task, step 1: where each row's keys and values sit (unless the run's task before found them), where
+ * its scores go, its first chunks' keys prefetched; [*from, *to): the chunks the rows span. */
+ALWAYS_INLINE void task_reads(const struct paged_call *c, const struct task *t, struct scratch *s, int64_t *read_run,
+                              int64_t *from, int64_t *to) {
+  const int64_t per_task = t->group * c->per_head, lines = t->group * c->vectors, head0 = t->g0 * c->D;
+  const int64_t span = c->span, Q = c->Q;
+  *from = INT64_MAX, *to = 0;
+  for (int64_t n = 0; n < t->count; n++) {
+    struct row_reads *w = s->reads + n;
+    if (*read_run != t->b0) {
+      *w = (struct row_reads){.k = s->pointers + 2 * n * span, .v = s->pointers + (2 * n + 1) * span,
+                              .start = s->bounds + 2 * n * Q, .end = s->bounds + (2 * n + 1) * Q};
+      find_reads(w, t->b0 + n, c->keys, c->values, c->slots, c->positions, c->lengths, Q, c->C, c->kv_heads, c->D,
+                 c->window);
+    }
+    w->scores = s->scores + n * per_task * span;
+    for (int64_t c0 = w->lo; c0 < w->lo + AHEAD * CHUNK && c0 < w->hi; c0 += CHUNK)
+      prefetch(w->k + c0 - w->lo, head0, lines);
+    *from = smaller(w->lo, *from);
+    *to = larger(w->hi, *to);
+  }
+  *read_run = t->b0;
+}
+
+/* Task, step 2 in lanes: the scores at chunk c0 (row w's chunk t) of the rows sharing it, from the
+ * transposed queries. Lane l of set s: the (16 s + l)th query head of those rows, in row order, then
+ * token i, then head r. */
+ALWAYS_INLINE void score_in_lanes(const struct paged_call *c, const struct task *t, const struct scratch *s,
+                                  const struct row_reads *w, uint32_t sharing, int64_t c0) {
+  const int64_t sets = lane_sets(t->count * c->per_head), head0 = t->g0 * c->D, D = c->D;
+  const int64_t Q = c->Q, shared = c->shared, span = c->span, at = c0 - w->lo;
+  for (int64_t g = 0; g < t->group; g++) {
+    uint32_t left = sharing;
+    for (int64_t set = 0, i = 0, r = 0; left; set++) {
+      f32x16 by_query[CHUNK];
+      chunk_lane_scores(s->qt + (g * sets + set) * D * LANES, w->k + at, head0 + g * D, c->vectors, c->scale,
+                        by_query);
+      for (int l = 0; l < LANES && left; l++) {
+        const struct row_reads *x = s->reads + __builtin_ctz(left);
+        store_scores(x, (g * Q + i) * shared + r, c0, span, seen_at(x, i, c0), by_query[l]);
+        if (++r == shared && (r = 0, ++i == Q)) i = 0, left &= left - 1;
+      }
+    }
+  }
+}
+
+/* Task, step 2 in trees: the scores at chunk c0 (row w's chunk t) of each row sharing it, each query
+ * head's in sum trees. */
+ALWAYS_INLINE void score_in_trees(const struct paged_call *c, const struct task *t, const struct scratch *s,
+                                  const struct row_reads *w, uint32_t sharing, int64_t c0) {
+  const int64_t head0 = t->g0 * c->D, D = c->D, Q = c->Q, shared = c->shared, span = c->span, at = c0 - w->lo;
+  const int64_t vectors = c->vectors;
+  const float scale = c->scale;
+  for (uint32_t left = sharing; left; left &= left - 1) {
+    const int64_t n2 = __builtin_ctz(left);
+    const struct row_reads *x = s->reads + n2;
+    for (int64_t i = 0; i < Q; i++) {
+      if (x->end[i] <= c0 || x->start[i] >= c0 + CHUNK) continue;  /* nothing of this chunk is visible */
+      const mask16 seen = seen_at(x, i, c0);
+      for (int64_t g = 0; g < t->group; g++) {
+        const float *query = c->q + ((t->b0 + n2) * Q + i) * c->q_stride + (t->g0 + g) * shared * D;
+        for (int64_t r = 0; r < shared; r++) {
+          const f32x16 score = chunk_scores_any(query + r * D, w->k + at, head0 + g * D, vectors);
+          store_scores(x, (g * Q + i) * shared + r, c0, span, seen, f32x16_mul(score, f32x16_broadcast(scale)));
+        }
+      }
+    }
+  }
+}
+
+/* Task, step 2: every query head's scores over [from, to), chunk by chunk, the rows that read a chunk's
+ * positions where another does scoring it together (in lanes where they fill enough). Returns the end
+ * of the leading chunks every row reads, scored in lanes. */
+ALWAYS_INLINE int64_t task_scores(const struct paged_call *c, const struct task *t, const struct scratch *s,
+                                  int64_t from, int64_t to) {
+  const int64_t lines = t->group * c->vectors, head0 = t->g0 * c->D, count = t->count;
+  uint32_t transposed = 0;  /* the rows whose queries qt holds */
+  const uint32_t every_row = (uint32_t)((1ull << count) - 1);
+  int64_t together = from;
+  for (int64_t c0 = from; c0 < to; c0 += CHUNK) {
+    uint32_t done = 0;
+    for (int64_t n = 0; n < count; n++) {
+      const struct row_reads *w = s->reads + n;
+      if (done >> n & 1 || c0 < w->lo || c0 >= w->hi) continue;
+      uint32_t sharing = 1u << n;  /* the rows that read this chunk's positions where row n does */
+      for (int64_t m = n + 1; m < count; m++)
+        if (!(done >> m & 1) && c0 >= s->reads[m].lo && c0 < s->reads[m].hi && same_chunk(w, s->reads + m, c0))
+          sharing |= 1u << m;
+      done |= sharing;
+      const int64_t at = c0 - w->lo;
+      if (c0 + AHEAD * CHUNK < w->hi) prefetch(w->k + at + AHEAD * CHUNK, head0, lines);
+      prefetch(w->v + at, head0, lines);  /* read after every score: by then they are in the caches */
+      if (__builtin_popcount(sharing) * c->per_head >= LANES_FROM) {
+        if (sharing != transposed) {
+          transpose_queries(s->qt, c->q, c->q_stride, t->b0, sharing, c->Q, c->shared, c->D, t->group, t->g0,
+                            lane_sets(count * c->per_head));
+          transposed = sharing;
+        }
+        if (sharing == every_row && together == c0) together += CHUNK;
+        score_in_lanes(c, t, s, w, sharing, c0);
+      } else {
+        score_in_trees(c, t, s, w, sharing, c0);
+      }
+    }
+  }
+  return together;
+}
+
+/* Task, step 3: each query head's weights in place of its scores (softmax less its division), and the
+ * inverse of their sum. Returns whether every query head's positions start with the chunks [from,
+ * together) (then their weighted values are summed in lanes). */
+ALWAYS_INLINE int task_weights(const struct paged_call *c, const struct task *t, const struct scratch *s,
+                               int64_t from, int64_t together) {
+  const int64_t per_task = t->group * c->per_head, per_head = c->per_head, span = c->span;
+  int lanes_fit = together > from;
+  for (int64_t n = 0; n < t->count; n++) {
+    const struct row_reads *x = s->reads + n;
+    for (int64_t j = 0; j < per_task; j++) {  /* j = (g * Q + i) * shared + r */
+      int64_t first, last;
+      query_chunks(x, j % per_head / c->shared, &first, &last);
+      lanes_fit &= x->lo + first == from && x->lo + last >= together;
+      float *w = x->scores + j * span;
+      f32x16 top = f32x16_broadcast(-INFINITY), sum = f32x16_zero();
+      for (int64_t at = first; at < last; at += CHUNK) top = f32x16_max(top, f32x16_load(w + at));
+      const f32x16 best = f32x16_broadcast(f32x16_reduce_max(top));
+      for (int64_t at = first; at < last; at += CHUNK) {
+        const f32x16 sc = f32x16_load(w + at);
+        const mask16 seen = f32x16_ordered_not_equal(sc, f32x16_broadcast(-INFINITY));
+        const f32x16 e = f32x16_keep(seen, exp_nonpositive(f32x16_sub(sc, best)));
+        f32x16_store(w + at, e);
+        sum = f32x16_add(sum, e);
+      }
+      const float total = f32x16_reduce_add(sum);
+      s->inverses[n * per_task + j] = total > 0.0f ? 1.0f / total : 0.0f;
+    }
+  }
+  return lanes_fit;
+}
+
+/* Task, step 4 (where lanes fit): the weighted values over the chunks [from, together) every row
+ * scored in lanes, summed in lanes too, 16 query heads at a time. */
+ALWAYS_INLINE void task_lane_sums(const struct paged_call *c, const struct task *t, const struct scratch *s,
+                                  int64_t from, int64_t together) {
+  const int64_t per_task = t->group * c->per_head, per_head = c->per_head, D = c->D, count = t->count;
   const float *lane_weights[LANES];
   float *lane_sums[LANES];
-  int64_t read_run = -1;  /* the run whose rows' reads `reads` holds: a run's tasks share them */
-#pragma omp for schedule(static)
-  for (int64_t task = 0; task < jobs; task++) {
-    const int64_t b0 = tasks[task].b0, count = tasks[task].count, g0 = tasks[task].g0, group = tasks[task].group;
-    const int64_t per_task = group * per_head, lines = group * vectors;  /* lines: of a position's keys */
-    const int64_t sets = lane_sets(count * per_head), head0 = g0 * D;  /* head0: the task's heads' offset */
-    int64_t from = INT64_MAX, to = 0;
-    for (int64_t n = 0; n < count; n++) {
-      struct row_reads *w = reads + n;
-      if (read_run != b0) {
-        *w = (struct row_reads){.k = pointers + 2 * n * span, .v = pointers + (2 * n + 1) * span,
-                                .start = bounds + 2 * n * Q, .end = bounds + (2 * n + 1) * Q};
-        find_reads(w, b0 + n, keys, values, slots, positions, lengths, Q, C, kv_heads, D, window);
-      }
-      w->scores = scores + n * per_task * span;
-      for (int64_t c0 = w->lo; c0 < w->lo + AHEAD * CHUNK && c0 < w->hi; c0 += CHUNK)
-        prefetch(w->k + c0 - w->lo, head0, lines);
-      from = smaller(w->lo, from);
-      to = larger(w->hi, to);
-    }
-    read_run = b0;
-    uint32_t transposed = 0;  /* the rows whose queries qt holds */
-    const uint32_t every_row = (uint32_t)((1ull << count) - 1);
-    int64_t together = from;  /* the end of the leading chunks every row reads, scored in lanes */
-    for (int64_t c0 = from; c0 < to; c0 += CHUNK) {
-      uint32_t done = 0;
-      for (int64_t n = 0; n < count; n++) {
-        const struct row_reads *w = reads + n;
-        if (done >> n & 1 || c0 < w->lo || c0 >= w->hi) continue;
-        uint32_t sharing = 1u << n;  /* the rows that read this chunk's positions where row n does */
-        for (int64_t m = n + 1; m < count; m++)
-          if (!(done >> m & 1) && c0 >= reads[m].lo && c0 < reads[m].hi && same_chunk(w, reads + m, c0))
-            sharing |= 1u << m;
-        done |= sharing;
-        const int64_t t = c0 - w->lo;
-        if (c0 + AHEAD * CHUNK < w->hi) prefetch(w->k + t + AHEAD * CHUNK, head0, lines);
-        prefetch(w->v + t, head0, lines);  /* read after every score: by then they are in the caches */
-        const int64_t lanes = __builtin_popcount(sharing) * per_head;
-        if (lanes >= LANES_FROM) {
-          if (sharing != transposed) {
-            transpose_queries(qt, q, q_stride, b0, sharing, Q, shared, D, group, g0, sets);
-            transposed = sharing;
-          }
-          if (sharing == every_row && together == c0) together += CHUNK;
-          for (int64_t g = 0; g < group; g++) {
-            /* Lane l of set s: the (16 s + l)th query head of the rows sharing the chunk, in row order,
-             * then token i, then head r. */
-            uint32_t left = sharing;
-            for (int64_t s = 0, i = 0, r = 0; left; s++) {
-              f32x16 by_query[CHUNK];
-              chunk_lane_scores(qt + (g * sets + s) * D * LANES, w->k + t, head0 + g * D, vectors, scale,
-                                by_query);
-              for (int l = 0; l < LANES && left; l++) {
-                const struct row_reads *x = reads + __builtin_ctz(left);
-                store_scores(x, (g * Q + i) * shared + r, c0, span, seen_at(x, i, c0), by_query[l]);
-                if (++r == shared && (r = 0, ++i == Q)) i = 0, left &= left - 1;
-              }
-            }
-          }
-          continue;
-        }
-        for (uint32_t left = sharing; left; left &= left - 1) {  /* each row's query heads, in sum trees */
-          const int64_t n2 = __builtin_ctz(left);
-          const struct row_reads *x = reads + n2;
-          for (int64_t i = 0; i < Q; i++) {
-            if (x->end[i] <= c0 || x->start[i] >= c0 + CHUNK) continue;  /* nothing of this chunk is visible */
-            const mask16 seen = seen_at(x, i, c0);
-            for (int64_t g = 0; g < group; g++) {
-              const float *query = q + ((b0 + n2) * Q + i) * q_stride + (g0 + g) * shared * D;
-              for (int64_t r = 0; r < shared; r++) {
-                const f32x16 score = chunk_scores_any(query + r * D, w->k + t, head0 + g * D, vectors);
-                store_scores(x, (g * Q + i) * shared + r, c0, span, seen, f32x16_mul(score, f32x16_broadcast(scale)));
-              }
-            }
-          }
+  for (int64_t g = 0; g < t->group; g++)
+    for (int64_t n = 0, in_set = 0; n < count; n++)
+      for (int64_t j = g * per_head; j < (g + 1) * per_head; j++) {
+        lane_weights[in_set] = s->reads[n].scores + j * c->span;
+        lane_sums[in_set++] = s->sums + (n * per_task + j) * 2 * D;
+        if (in_set == LANES || (n == count - 1 && j == (g + 1) * per_head - 1)) {
+          lane_weighted_sums(lane_weights, in_set, s->reads[0].v, (t->g0 + g) * D, together - from, D, s->wt,
+                             lane_sums);
+          in_set = 0;
         }
       }
-    }
-    /* Each query head's weights, in place of its scores, and the inverse of their sum. */
-    int lanes_fit = together > from;  /* whether every query head's positions start with those chunks */
-    for (int64_t n = 0; n < count; n++) {
-      const struct row_reads *x = reads + n;
-      for (int64_t j = 0; j < per_task; j++) {  /* j = (g * Q + i) * shared + r */
-        int64_t first, last;
-        query_chunks(x, j % per_head / shared, &first, &last);
-        lanes_fit &= x->lo + first == from && x->lo + last >= together;
-        float *w = x->scores + j * span;
-        f32x16 top = f32x16_broadcast(-INFINITY), sum = f32x16_zero();
-        for (int64_t t = first; t < last; t += CHUNK) top = f32x16_max(top, f32x16_load(w + t));
-        const f32x16 best = f32x16_broadcast(f32x16_reduce_max(top));
-        for (int64_t t = first; t < last; t += CHUNK) {
-          const f32x16 s = f32x16_load(w + t);
-          const mask16 seen = f32x16_ordered_not_equal(s, f32x16_broadcast(-INFINITY));
-          const f32x16 e = f32x16_keep(seen, exp_nonpositive(f32x16_sub(s, best)));
-          f32x16_store(w + t, e);
-          sum = f32x16_add(sum, e);
-        }
-        const float total = f32x16_reduce_add(sum);
-        inverses[n * per_task + j] = total > 0.0f ? 1.0f / total : 0.0f;
-      }
-    }
-    /* The weighted values over the chunks every row scored in lanes, summed in lanes too (16 query
-     * heads at a time), then each query head's own positions on from those sums. */
-    for (int64_t g = 0; lanes_fit && g < group; g++)
-      for (int64_t n = 0, in_set = 0; n < count; n++)
-        for (int64_t j = g * per_head; j < (g + 1) * per_head; j++) {
-          lane_weights[in_set] = reads[n].scores + j * span;
-          lane_sums[in_set++] = sums + (n * per_task + j) * 2 * D;
-          if (in_set == LANES || (n == count - 1 && j == (g + 1) * per_head - 1)) {
-            lane_weighted_sums(lane_weights, in_set, reads[0].v, head0 + g * D, together - from, D, wt, lane_sums);
-            in_set = 0;
-          }
-        }
-    for (int64_t n = 0; n < count; n++) {
-      const struct row_reads *x = reads + n;
-      for (int64_t j = 0; j < per_task; j++) {
-        const int64_t g = j / per_head, i = j % per_head / shared, r = j % shared;
-        float *o = out + (((b0 + n) * Q + i) * heads + (g0 + g) * shared + r) * D;
-        int64_t first, last;
-        query_chunks(x, i, &first, &last);
-        if (lanes_fit) first = together - x->lo;  /* the chunks before, summed in lanes */
-        weighted_values_any(x->scores + j * span + first, x->v + first, head0 + g * D, last - first, vectors,
-                            inverses[n * per_task + j], lanes_fit ? sums + (n * per_task + j) * 2 * D : NULL, o);
-      }
+}
+
+/* Task, step 5: each query head's output, its weighted values over its own positions (on from the
+ * sums in lanes where they fit), times its inverse sum of weights. */
+ALWAYS_INLINE void task_outputs(const struct paged_call *c, const struct task *t, const struct scratch *s,
+                                int64_t together, int lanes_fit) {
+  const int64_t per_task = t->group * c->per_head, per_head = c->per_head, shared = c->shared, D = c->D;
+  for (int64_t n = 0; n < t->count; n++) {
+    const struct row_reads *x = s->reads + n;
+    for (int64_t j = 0; j < per_task; j++) {
+      const int64_t g = j / per_head, i = j % per_head / shared, r = j % shared;
+      float *o = c->out + (((t->b0 + n) * c->Q + i) * c->heads + (t->g0 + g) * shared + r) * D;
+      int64_t first, last;
+      query_chunks(x, i, &first, &last);
+      if (lanes_fit) first = together - x->lo;  /* the chunks before, summed in lanes */
+      weighted_values_any(x->scores + j * c->span + first, x->v + first, (t->g0 + g) * D, last - first, c->vectors,
+                          s->inverses[n * per_task + j], lanes_fit ? s->sums + (n * per_task + j) * 2 * D : NULL, o);
     }
   }
-  free(runs);
-  free(tasks);
-  free(reads);
-  free(pointers);
-  free(scores);
-  free(qt);
-  free(bounds);
-  free(inverses);
-  free(sums);
-  free(wt);
+}
+
+/* q: token t = b * Q + i at q + t * q_stride, head h at + h * D. keys, values: [slots, kv_heads, D].
+ * slots: [B, C]; positions: [B, Q]; lengths: [B]; out: [B, Q, heads, D]. D % 16 == 0, D <= 128.
+ * Run by every thread of the parallel region it is called in (an `omp for`, ending in a barrier).
+ * A thread whose plan or scratch cannot be allocated sets *failed (KERNEL_OUT_OF_MEMORY; shared by the
+ * team) and skips its tasks, still meeting the others at the barrier; `out` is then not to be read. */
+static void paged_attention_in_team(const float *q, int64_t q_stride, const float *keys, const float *values,
+                                    const int64_t *slots, const int64_t *positions, const int64_t *lengths,
+                                    int64_t B, int64_t Q, int64_t C, int64_t heads, int64_t kv_heads, int64_t D,
+                                    int64_t window, float scale, float *out, int *failed) {
+  const int threads = omp_get_num_threads();
+  const int64_t shared = heads / kv_heads, per_head = Q * shared;
+  const struct paged_call c = {q, keys, values, slots, positions, lengths, q_stride, B, Q, C, heads, kv_heads, D,
+                               window, scale, out, shared, D / 16, per_head, C + 2 * CHUNK};
+  int64_t rows, fewest;
+  run_sizes(&c, &rows, &fewest);
+  /* Every thread plans the same tasks; the count needs no allocation, so that a thread without
+   * memory still runs the same `omp for` as the others. */
+  struct scratch s = {.runs = malloc((B + 1) * sizeof(int64_t))};
+  int64_t several;
+  const int64_t row_runs = plan_runs(&c, rows, fewest, s.runs, &several);
+  const int64_t jobs = count_tasks(&c, row_runs, several, threads);
+  int ready = jobs == 0;
+  if (jobs > 0 && s.runs && (s.tasks = malloc(jobs * sizeof *s.tasks))) {
+    int64_t most_heads, most_rows, most_sets;
+    plan_tasks(&c, s.runs, row_runs, threads, s.tasks, &most_heads, &most_rows, &most_sets);
+    ready = take_scratch(&s, &c, most_heads, most_rows, most_sets);
+  }
+  if (!ready) {
+#pragma omp atomic write
+    *failed = KERNEL_OUT_OF_MEMORY;
+  }
+  int64_t read_run = -1;  /* the run whose rows' reads `s.reads` holds: a run's tasks share them */
+#pragma omp for schedule(static)
+  for (int64_t task = 0; task < jobs; task++) {
+    if (!ready) continue;
+    const struct task *t = s.tasks + task;
+    int64_t from, to;
+    task_reads(&c, t, &s, &read_run, &from, &to);
+    const int64_t together = task_scores(&c, t, &s, from, to);
+    const int lanes_fit = task_weights(&c, t, &s, from, together);
+    if (lanes_fit) task_lane_sums(&c, t, &s, from, together);
+    task_outputs(&c, t, &s, together, lanes_fit);
+  }
+  free_scratch(&s);
 }
 
 #endif

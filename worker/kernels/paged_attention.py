@@ -24,7 +24,7 @@ def load(name: str):
     """An attention kernel of this signature (paged_attention.c, prefill_attention.c); None where absent."""
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
     return native.function(name, name, pointer, int64, pointer, pointer, pointer, pointer, pointer, int64, int64,
-                           int64, int64, int64, int64, int64, ctypes.c_float, pointer, ctypes.c_int)
+                           int64, int64, int64, int64, int64, ctypes.c_float, pointer, ctypes.c_int, returns_status=True)
 
 
 @functools.cache

@@ -148,22 +148,30 @@ static void tile_values(const float *weights, const float *const *v, int64_t n, 
 /* Arguments as paged_attention_in_team's: q: token t = b * Q + i at q + t * q_stride, head h at + h * D;
  * keys, values: [slots, kv_heads, D]; slots: [B, C]; positions: [B, Q]; lengths: [B]; out: [B, Q, heads,
  * D]. D % 16 == 0, D <= 128. Run by every thread of the parallel region it is called in (an `omp for`,
- * ending in a barrier). */
+ * ending in a barrier). A thread whose scratch cannot be allocated sets *failed (KERNEL_OUT_OF_MEMORY;
+ * shared by the team) and skips its tiles, still meeting the others at the barrier. */
 static void prefill_attention_in_team(const float *q, int64_t q_stride, const float *keys, const float *values,
                                       const int64_t *slots, const int64_t *positions, const int64_t *lengths,
                                       int64_t B, int64_t Q, int64_t C, int64_t heads, int64_t kv_heads, int64_t D,
-                                      int64_t window, float scale, float *out) {
+                                      int64_t window, float scale, float *out, int *failed) {
   const int64_t shared = heads / kv_heads, rows = Q * shared, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
   const int64_t span = C + POSITIONS;  /* the most positions a tile's score steps cover */
   /* Per thread, reused by its tiles: where each position's keys and values sit, the scores (then
    * weights), the tile's queries transposed, each lane's visible range and output row. */
-  const float **k = malloc(2 * span * sizeof(float *)), **v = k + span;
+  const float **k = malloc(2 * span * sizeof(float *));
   float *scores = aligned_floats(span * TILE_ROWS + (D + 3) * TILE_ROWS);
-  float *qt = scores + span * TILE_ROWS, *first = qt + D * TILE_ROWS, *end = first + TILE_ROWS;
-  float *inverse = end + TILE_ROWS;
   float *row_out[TILE_ROWS];
+  const int ready = k && scores;
+  if (!ready) {
+#pragma omp atomic write
+    *failed = KERNEL_OUT_OF_MEMORY;
+  }
 #pragma omp for schedule(dynamic, 1)
   for (int64_t task = 0; task < B * kv_heads * tiles; task++) {
+    if (!ready) continue;
+    const float **v = k + span;
+    float *qt = scores + span * TILE_ROWS, *first = qt + D * TILE_ROWS, *end = first + TILE_ROWS;
+    float *inverse = end + TILE_ROWS;
     const int64_t b = task / (kv_heads * tiles), g = task / tiles % kv_heads, j0 = task % tiles * TILE_ROWS;
     int64_t lo = C, hi = 0;
     for (int64_t j = 0; j < TILE_ROWS; j++) {

@@ -24,6 +24,10 @@ typedef uint16_t mask16;
 /* The lanes of a vector that starts `left` elements before a row's end. */
 static inline mask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (mask16)((1u << left) - 1); }
 
+/* What a kernel's C call returns where it could not allocate its scratch (0: done); the bindings
+ * (native.py) raise MemoryError for it. */
+#define KERNEL_OUT_OF_MEMORY 1
+
 /* Scratch of n floats on a 64-byte boundary, where f32x16_store_aligned may write; NULL where it
  * cannot be had. Freed with free(). */
 static inline float *aligned_floats(int64_t n) {

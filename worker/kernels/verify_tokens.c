@@ -8,7 +8,8 @@
  * and when all k are accepted, from p_k (the bonus). The same law as the torch path, from the same
  * uniforms; the last bits of p differ, so a decision that close to its threshold may differ.
  * The body is here, its softmax and draws in softmax_draw.h. Built by native.py, called through
- * verify_tokens.py, on the calling thread.
+ * verify_tokens.py, on the calling thread. Returns 0, or KERNEL_OUT_OF_MEMORY where its scratch rows
+ * could not be allocated (nothing written then).
  */
 #include <stdlib.h>
 
@@ -17,7 +18,7 @@
 /* draft [N, k]; q [N, k, V] the draft's probabilities; logits [N, k + 1, V]; temperature [N] (> 0);
  * u_accept [N, k], u_next [N] in [0, 1). Out: num_accepted [N]; tokens [N, k + 1], of which row r
  * emits the first num_accepted[r] + 1 (the rest hold proposals, as the torch path leaves them). */
-void verify_tokens(const int64_t *draft, const float *q, const float *logits, int64_t N, int64_t k, int64_t V,
+int verify_tokens(const int64_t *draft, const float *q, const float *logits, int64_t N, int64_t k, int64_t V,
                    const float *temperature, const float *u_accept, const float *u_next, int64_t *num_accepted,
                    int64_t *tokens) {
   const int64_t blocks = (V + 15) / 16;
@@ -25,6 +26,13 @@ void verify_tokens(const int64_t *draft, const float *q, const float *logits, in
   float *residual = aligned_floats(blocks * 16);
   float *block_sums = malloc(blocks * sizeof(float));
   float *residual_sums = malloc(blocks * sizeof(float));
+  if (!weights || !residual || !block_sums || !residual_sums) {
+    free(residual_sums);
+    free(block_sums);
+    free(residual);
+    free(weights);
+    return KERNEL_OUT_OF_MEMORY;
+  }
   for (int64_t r = 0; r < N; r++) {
     const int64_t *d = draft + r * k;
     int64_t n = 0;
@@ -58,4 +66,5 @@ void verify_tokens(const int64_t *draft, const float *q, const float *logits, in
   free(block_sums);
   free(residual);
   free(weights);
+  return 0;
 }

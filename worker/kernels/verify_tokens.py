@@ -15,7 +15,7 @@ from worker.kernels import native
 def _kernel():
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
     return native.function("verify_tokens", "verify_tokens", pointer, pointer, pointer, int64, int64, int64,
-                           pointer, pointer, pointer, pointer, pointer)
+                           pointer, pointer, pointer, pointer, pointer, returns_status=True)
 
 
 def available() -> bool:

@@ -1,0 +1,45 @@
+"""A C kernel whose scratch cannot be allocated raises MemoryError naming it, in Python, instead of
+writing through a null pointer: each case runs the shipped build in a child process (scratch_denied.py)
+whose address space is capped just above what it holds, on inputs that make the scratch large. With
+two threads whose scratch only one of them gets, the one that got it is not left waiting."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.kernels import native
+
+CHILD = Path(__file__).with_name("scratch_denied.py")
+needs_kernels = pytest.mark.skipif(native.isa() is None, reason="no AVX-512 or AVX2 here")
+
+
+def denied(kernel: str, threads: int, margin_mb: int, *extra: str) -> str:
+    proc = subprocess.run([sys.executable, str(CHILD), kernel, str(threads), str(margin_mb), *extra],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"the child ended with {proc.returncode}: {proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+@needs_kernels
+@pytest.mark.parametrize(("kernel", "threads", "margin_mb"), [
+    ("paged_attention", 1, 64),  # scratch: ~545 MB a thread
+    ("paged_attention", 2, 800),  # room for one thread's scratch, not both
+    ("prefill_attention", 2, 64),  # ~290 MB a thread
+    ("draw_tokens", 1, 16),  # ~68 MB
+    ("verify_tokens", 1, 16),  # ~68 MB
+])
+def test_a_kernel_without_scratch_raises_memory_error_and_the_process_goes_on(kernel, threads, margin_mb):
+    out = denied(kernel, threads, margin_mb)
+    assert f"raised: MemoryError: the {kernel} kernel ran out of memory" in out
+    assert "same after" in out
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_forward_stops_and_raises_when_its_attention_has_no_scratch(checkpoints, threads):
+    out = denied("decoder_forward", threads, 64, checkpoints["llama"])  # scratch: ~260 MB a thread
+    assert "raised: MemoryError: the decoder_forward kernel ran out of memory" in out
+    assert "same after" in out
