@@ -7,12 +7,21 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from worker.selfcheck.processes import ProcessExited, Processes, WaitTimedOut, free_port, wait_http, wait_until
+from worker.selfcheck.processes import (
+    Processes,
+    ProcessExited,
+    WaitTimedOut,
+    free_port,
+    wait_http,
+    wait_until,
+)
 
 DIES = "import sys; print('loading the model'); print('error: no such model', flush=True); sys.exit(3)"
+ROOT = Path(__file__).resolve().parent.parent
 SLEEPS = "import time; print('still loading', flush=True); time.sleep(60)"
 
 
@@ -112,3 +121,11 @@ def test_check_gives_up_the_wait(loading_server):
 def test_wait_until_returns_what_the_predicate_found():
     found = iter([None, 0, "", "here"])
     assert wait_until(lambda: next(found), 30, "a value", interval=0.01) == "here"
+
+
+def test_scripts_local_stack_gets_them_without_torch():
+    """`make run`'s launcher imports these helpers: it must not pay for (or need) torch."""
+    probe = ("import sys; sys.path.insert(0, 'scripts'); import local_stack; "
+             "print(local_stack.wait_http.__module__, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["worker.selfcheck.processes", "False"], done.stderr
