@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a plain script: the repository's packages, installed or not
+from worker.selfcheck.processes import ProcessExited, WaitTimedOut, wait_until  # noqa: E402
+
 PY = sys.executable
 TARGET_MS = 50.0
 GPUS, PROCESSES = 8, 64
@@ -60,16 +63,13 @@ def serve_fake_nvml(worker_pid: int, exporter_args: list[str]) -> int:
 def start(args: list[str], log: Path) -> tuple[subprocess.Popen, int]:
     with log.open("w") as stderr:
         proc = subprocess.Popen(args, cwd=ROOT, stderr=stderr)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        found = re.search(r"listening on http://[\d.]+:(\d+)/metrics", log.read_text())
-        if found:
-            return proc, int(found.group(1))
-        if proc.poll() is not None:
-            sys.exit(f"{args} exited:\n{log.read_text()}")
-        time.sleep(0.05)
-    proc.kill()
-    sys.exit(f"{args} not listening after 60s:\n{log.read_text()}")
+    try:
+        found = wait_until(lambda: re.search(r"listening on http://[\d.]+:(\d+)/metrics", log.read_text()), 60,
+                           "the exporter to listen", proc, log, interval=0.05)
+    except (ProcessExited, WaitTimedOut) as e:
+        proc.kill()
+        sys.exit(str(e))
+    return proc, int(found.group(1))
 
 
 def start_backend(args: list[str], procs: list[subprocess.Popen]) -> str:

@@ -18,15 +18,17 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from worker.cli import add_engine_flags, add_waiting_flag, engine_config
+from worker.selfcheck.processes import free_port, wait_http
 
 MiB = 1 << 20
 KV_SHARE_TARGET = 0.95
@@ -90,12 +92,6 @@ class RssSampler:
         self._thread.join()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith((name + " ", name + "{")):
@@ -109,22 +105,13 @@ def http_run(args, engine_flags: list[str]) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "worker", "serve", "--port", str(port), "--log-level", "WARNING",
            *engine_flags]
-    worker = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    fd, log = tempfile.mkstemp(prefix="profiler-accuracy-worker-", suffix=".log")
+    worker = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=fd)
+    os.close(fd)  # the child keeps its own descriptor
     base = f"http://127.0.0.1:{port}"
     try:
+        wait_http(base + "/health", 600, worker, Path(log))
         with httpx.Client(base_url=base, timeout=600) as client:
-            deadline = time.monotonic() + 600
-            while True:
-                if worker.poll() is not None:
-                    raise RuntimeError(f"the worker exited: {worker.stderr.read().decode()[-2000:]}")
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the worker did not start in 600 s")
-                time.sleep(0.5)
             memory = client.get("/v1/memory").json()
             model = client.get("/v1/models").json()["data"][0]["id"]
             max_model_len = args.max_model_len
@@ -155,6 +142,7 @@ def http_run(args, engine_flags: list[str]) -> dict:
             worker.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, signal.SIGKILL)
+        os.unlink(log)
 
 
 # --- reports ---

@@ -55,9 +55,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from local_stack import free_port  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # run as a plain script
 from vllm_peer import STARTUP_TIMEOUT, vllm_command, vllm_python  # noqa: E402
+
+from worker.selfcheck.processes import free_port, wait_http  # noqa: E402
 
 ASSETS = ROOT / "worker" / "assets"
 SERVERS = ("vllm", "vllm-draft", "transformers", "transformers-cb", "ours", "ours-draft", "ours-draft-adaptive",
@@ -130,18 +131,7 @@ class Server:
                                             env={**os.environ, **self.env}, start_new_session=True)
 
     def wait_ready(self) -> None:
-        timeout = self.startup_timeout
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"exited with {self.process.returncode}: {self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"not healthy after {timeout:.0f} s: {self.tail()}")
+        wait_http(self.url + "/health", self.startup_timeout, self.process, self.log)
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -155,9 +145,6 @@ class Server:
                 continue
             except ProcessLookupError:
                 return
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-1500:] if self.log and self.log.exists() else ""
 
 
 # --- the servers -----------------------------------------------------------------------------

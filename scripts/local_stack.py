@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,9 @@ from typing import Callable
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a plain script: the repository's packages, installed or not
+from worker.selfcheck.processes import free_port, wait_http  # noqa: E402
+
 STOP_TIMEOUT = 45.0  # seconds: above the worker's default --drain-timeout (30 s)
 # Signals whose default action ends a process; SIGKILL and SIGSTOP cannot be caught (the children's
 # parent-death signal covers SIGKILL).
@@ -52,29 +54,6 @@ def die_with(parent: int):
     return preexec
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok=(200,),
-              check: Callable[[], None] = lambda: None) -> None:
-    """Until `url` answers one of `ok`; `check` runs between tries (it may raise to give up)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        check()
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode} before {url} answered")
-        try:
-            if httpx.get(url, timeout=2).status_code in ok:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
-
-
 class LocalStack:
     """Starts and stops the three processes; state lives in `workdir`."""
 
@@ -98,21 +77,24 @@ class LocalStack:
     def start(self, timeout: float = 300) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         py = sys.executable
-        self._spawn("worker", [py, "-m", "worker", "serve", "--port", str(self.ports["worker"]), *self.worker_args])
-        wait_http(self.url("worker") + "/health", timeout, self.procs["worker"], check=self.check)
-        self._spawn("exporter", [py, "-m", "exporter", "--backend", "auto", "--port", str(self.ports["exporter"]),
-                                 "--worker", self.url("worker"), *self.exporter_args])
-        wait_http(self.url("exporter") + "/metrics", 60, self.procs["exporter"], check=self.check)
+        self._serve("worker", [py, "-m", "worker", "serve", "--port", str(self.ports["worker"]), *self.worker_args],
+                    "/health", timeout)
+        self._serve("exporter", [py, "-m", "exporter", "--backend", "auto", "--port", str(self.ports["exporter"]),
+                                 "--worker", self.url("worker"), *self.exporter_args], "/metrics", 60)
         config = self._write_prometheus_config()
-        self._spawn("prometheus", [shutil.which("prometheus") or "prometheus", f"--config.file={config}",
+        self._serve("prometheus", [shutil.which("prometheus") or "prometheus", f"--config.file={config}",
                                    f"--storage.tsdb.path={self.workdir / 'tsdb'}",
-                                   f"--web.listen-address=127.0.0.1:{self.ports['prometheus']}"])
-        wait_http(self.url("prometheus") + "/-/ready", 60, self.procs["prometheus"], check=self.check)
+                                   f"--web.listen-address=127.0.0.1:{self.ports['prometheus']}"], "/-/ready", 60)
 
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        with open(self.workdir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
-            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+    def _serve(self, name: str, cmd: list[str], ready_path: str, timeout: float) -> None:
+        """Start one service and wait until ready_path answers 200 (failing at once if it exits)."""
+        with open(self.log(name), "wb") as out:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                                 start_new_session=True, preexec_fn=die_with(os.getpid()))
+        wait_http(self.url(name) + ready_path, timeout, self.procs[name], self.log(name), check=self.check)
+
+    def log(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
 
     def _write_prometheus_config(self) -> Path:
         """The repo's rules, with the compose hostnames replaced by loopback ports."""

@@ -5,16 +5,15 @@ import atexit
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
-from local_stack_path import wait_http
+
+from worker.selfcheck.processes import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key-0123456789"
@@ -49,19 +48,7 @@ class Server:
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                status = httpx.get(self.url + "/health", timeout=2).status_code
-                self.health_seen.append(status)
-                if status == 200:
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} server not healthy after {timeout} s:\n{self.log()}")
+        wait_http(self.url + "/health", timeout, self.process, self.log_path, seen=self.health_seen)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -82,14 +69,14 @@ def gated_worker(checkpoints, tmp_path):
     procs = []
 
     def start(*flags: str):
-        port = free_port()
-        with open(tmp_path / f"worker-{len(procs)}.log", "w") as log:  # the child keeps its own descriptor
+        port, log_path = free_port(), tmp_path / f"worker-{len(procs)}.log"
+        with open(log_path, "w") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "serve_with_step_gate.py"),
                                      "--model", checkpoints["llama"], "--no-draft", "--max-model-len", "128",
                                      "--port", str(port), *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", 180, proc)
+        wait_http(url + "/health", 180, proc, log_path)
         return proc, url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
     yield start
@@ -97,12 +84,6 @@ def gated_worker(checkpoints, tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def with_chat_template(source: str, target: Path) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from exporter.engines.base import Loading, Unreachable, Wrong
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
+from worker.selfcheck.processes import free_port
 
 
 class Counted(BaseHTTPRequestHandler):
@@ -80,11 +81,8 @@ def test_each_failure_is_a_state(server):
     assert e.value.status_code == 404
     with pytest.raises(Unreachable, match="502 from a proxy"):
         fetch(client, url + "/gateway")
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
     with pytest.raises(Unreachable, match="ConnectionRefusedError"):
-        fetch(client, f"http://127.0.0.1:{port}/ok")
+        fetch(client, f"http://127.0.0.1:{free_port()}/ok")
     client.close()
 
 

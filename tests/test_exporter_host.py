@@ -7,7 +7,6 @@ import select
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.errors import ErrorLog
 from exporter.procfs import ProportionalSizes, read_pss, read_rss, read_start
 from exporter.sources import HostSource
+from worker.selfcheck.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -66,14 +66,9 @@ def start_worker(spawn, *prefix: str, model_mib: int = 64, container_id: str | N
 def start_exporter(spawn, log: Path, *args: str):
     with log.open("w") as stderr:
         proc = spawn([PY, "-m", "exporter", "--port", "0", *args], stderr=stderr)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        found = re.search(r"listening on http://[\d.]+:(\d+)/metrics", log.read_text())
-        if found:
-            return proc, int(found.group(1))
-        assert proc.poll() is None, f"exporter exited {proc.returncode}:\n{log.read_text()}"
-        time.sleep(0.05)
-    raise AssertionError(f"exporter not listening after 20s:\n{log.read_text()}")
+    found = wait_until(lambda: re.search(r"listening on http://[\d.]+:(\d+)/metrics", log.read_text()), 20,
+                       "the exporter to listen", proc, log, interval=0.05)
+    return proc, int(found.group(1))
 
 
 def scrape(port: int) -> list:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from local_stack_path import free_port, wait_http
 from test_exporter_host import HOLD, PY, MiB, find, one, read_line, scrape, spawn, start_exporter  # noqa: F401
+
+from worker.selfcheck.processes import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -34,10 +35,7 @@ def vllm(tmp_path_factory):
                                   extra=["-O0"])
     url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_http(url + "/health", vllm_peer.STARTUP_TIMEOUT, server)
-        except (RuntimeError, TimeoutError) as e:
-            pytest.fail(f"{e}\n{log.read_text()[-3000:]}")
+        wait_http(url + "/health", vllm_peer.STARTUP_TIMEOUT, server, log)
         yield server, url
     finally:
         if server.poll() is None:

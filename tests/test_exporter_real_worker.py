@@ -6,11 +6,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from local_stack_path import free_port, wait_http
 from test_exporter_host import HOLD, PY, MiB, find, one, read_line, scrape, spawn, start_exporter  # noqa: F401
 from test_exporter_lifecycle import watch_states
 
 from exporter.procfs import read_pss
+from worker.selfcheck.processes import free_port, wait_http
 
 HERE = Path(__file__).parent
 

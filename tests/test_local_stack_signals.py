@@ -6,12 +6,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
-from local_stack_path import free_port, wait_http
 from test_exporter_host import ROOT
+
+from worker.selfcheck.processes import free_port, wait_http, wait_until
 
 SCRIPT = ROOT / "scripts" / "local_stack.py"
 
@@ -43,11 +43,8 @@ def listening(port: int) -> bool:
     return False
 
 
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
+def wait_gone(pids: list[int], timeout: float) -> None:
+    wait_until(lambda: not any(alive(p) for p in pids), timeout, f"every one of {pids} to exit", interval=0.1)
 
 
 @pytest.fixture
@@ -73,20 +70,18 @@ def test_signal_to_the_running_stack_stops_every_service(checkpoints, tmp_path, 
     code = proc.wait(timeout=120)
     assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
     # After SIGKILL the launcher cleaned nothing: the kernel's parent-death signal stops each service.
-    assert wait_gone(services, 60) == []
+    wait_gone(services, 60)
     assert [name for name, port in ports.items() if listening(port)] == []
 
 
 def test_signal_while_the_worker_loads_stops_it(checkpoints, tmp_path, cleanup):
     proc, ports = launch(checkpoints, tmp_path / "run")
     cleanup.append(proc.pid)
-    deadline = time.monotonic() + 60
-    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: psutil.Process(proc.pid).children(), 60, "the launcher to start the worker", proc,
+               interval=0.05)
     services = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     cleanup.extend(services)
-    assert services, "the launcher started no worker"
     proc.send_signal(signal.SIGHUP)  # a closed terminal, not Ctrl-C
     assert proc.wait(timeout=120) == 128 + signal.SIGHUP
-    assert wait_gone(services, 10) == []
+    wait_gone(services, 10)
     assert not listening(ports["worker"])

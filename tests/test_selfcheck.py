@@ -28,7 +28,7 @@ from worker.selfcheck.checkpoints import (
     kv_bytes_per_block,
     weight_bytes,
 )
-from worker.selfcheck.processes import Processes
+from worker.selfcheck.processes import Processes, wait_until
 from worker.selfcheck.report import (
     FAIL,
     PASS,
@@ -116,12 +116,8 @@ def test_sigterm_mid_run_stops_every_process_it_started(tmp_path):
                              "--workdir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     me = psutil.Process(proc.pid)
-    children: list[psutil.Process] = []
-    deadline = time.monotonic() + 120
-    while not children and time.monotonic() < deadline:  # the first worker is loading
-        children = [c for c in me.children(recursive=True) if "serve" in " ".join(c.cmdline())]
-        time.sleep(0.2)
-    assert children, "selfcheck started no worker"
+    wait_until(lambda: [c for c in me.children(recursive=True) if "serve" in " ".join(c.cmdline())], 120,
+               "selfcheck to start its first worker", proc)  # SIGTERM comes while that worker loads
     started = me.children(recursive=True)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
@@ -137,10 +133,8 @@ def test_processes_stop_whole_groups_and_kill_what_ignores_sigterm(tmp_path):
         ignore_term = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                        "print('ready', flush=True); time.sleep(300)")
         stubborn = procs.start("stubborn", [sys.executable, "-c", ignore_term])
-        deadline = time.monotonic() + 10
-        while not (pid_file.exists() and pid_file.read_text().strip() and "ready" in stubborn.log_tail()):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() and "ready" in stubborn.log_tail(),
+                   10, "the grandchild's pid and the stubborn child's ready line", interval=0.05)
         grandchild = int(pid_file.read_text())
         procs.stop(stubborn, timeout=1)
         assert gone(stubborn.pid)

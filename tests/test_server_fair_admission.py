@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import Counter
 
 import httpx
@@ -15,6 +14,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
+from worker.selfcheck.processes import wait_until
 
 PATIENCE = 60.0  # seconds to wait for what a few released steps do
 
@@ -74,13 +74,6 @@ class StreamReader(threading.Thread):
                     self.chunks[choice["index"]] += 1
 
 
-def wait_until(predicate, what: str):
-    deadline = time.monotonic() + PATIENCE
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_one_token_request_behind_one_with_16_choices_answers_within_a_few_steps(gated_worker):
     _, url, model = gated_worker()  # --max-num-seqs 16, the default
     big = {"model": model, "prompt": "def f(x):", "n": 16, "max_tokens": 100, "ignore_eos": True, "stream": True}
@@ -92,15 +85,15 @@ def test_a_one_token_request_behind_one_with_16_choices_answers_within_a_few_ste
         with client.stream("POST", "/v1/completions", json=big) as stream:
             reader = StreamReader(stream)
             reader.start()
-            wait_until(lambda: sum(queues()) == 16, "the 16 choices to queue")
+            wait_until(lambda: sum(queues()) == 16, PATIENCE, "the 16 choices to queue")
             client.post("/test/steps", params={"n": 3})  # its choices start, as many as may
-            wait_until(lambda: max(reader.chunks.values(), default=0) >= 3, "three steps")
+            wait_until(lambda: max(reader.chunks.values(), default=0) >= 3, PATIENCE, "three steps")
             running, _ = queues()
             small: dict = {}
             asking = threading.Thread(target=lambda: small.update(client.post("/v1/completions", json={
                 "model": model, "prompt": "hi", "max_tokens": 1}).json()))
             asking.start()
-            wait_until(lambda: sum(queues()) == 17, "the small request to queue")
+            wait_until(lambda: sum(queues()) == 17, PATIENCE, "the small request to queue")
             client.post("/test/steps", params={"n": 3})
             asking.join(PATIENCE)
             assert small.get("usage", {}).get("completion_tokens") == 1, small or "no answer within 3 steps"

@@ -19,6 +19,8 @@ import yaml
 from dashboard_queries import RULES_DIR, dashboard_queries, metric_names, variable_queries
 from local_stack_path import LocalStack
 
+from worker.selfcheck.processes import wait_until
+
 # Series that only exist on some devices: NVML's v2 memory call (reserved memory).
 MAY_BE_ABSENT = {"vramledger_device_memory_reserved_bytes"}
 GiB = 1 << 30
@@ -70,16 +72,6 @@ def query(stack, expr: str) -> list:
     return body["data"]["result"]
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def send_traffic(stack) -> None:
     url = stack.url("worker")
     with httpx.Client(timeout=60) as client:
@@ -92,15 +84,15 @@ def send_traffic(stack) -> None:
 
 
 def test_dashboards_and_rules_evaluate_with_data(stack):
-    wait_for(lambda: query(stack, "vramledger_device_foreign_memory_bytes"), 30, "the exporter's first scrape")
+    wait_until(lambda: query(stack, "vramledger_device_foreign_memory_bytes"), 30, "the exporter's first scrape")
     assert not query(stack, "vramledger_device_foreign_memory_bytes > 0"), "a foreign process before the test"
     hog = mem_hog.start(stack.foreign_floor + GiB // 2)  # a real foreign process above the floor
     try:
         send_traffic(stack)
         # Enough scrapes for rate() windows to hold traffic.
-        wait_for(lambda: query(stack, 'count_over_time(up{job="vramledger-worker"}[1m]) >= 10')
-                 and query(stack, f'vramledger_device_process_memory_bytes{{owner="foreign",pid="{hog.pid}"}}'), 60,
-                 "scrapes of the worker and the foreign process")
+        wait_until(lambda: query(stack, 'count_over_time(up{job="vramledger-worker"}[1m]) >= 10')
+                   and query(stack, f'vramledger_device_process_memory_bytes{{owner="foreign",pid="{hog.pid}"}}'), 60,
+                   "scrapes of the worker and the foreign process")
         send_traffic(stack)
         time.sleep(2)
         empty = []
@@ -125,7 +117,7 @@ def test_dashboards_and_rules_evaluate_with_data(stack):
             alerts = httpx.get(stack.url("prometheus") + "/api/v1/alerts").json()["data"]["alerts"]
             return [a for a in alerts if a["labels"]["alertname"] == "VramledgerForeignMemoryOnDevice"
                     and a["state"] == "firing"]
-        firing = wait_for(foreign_alert, 60, "VramledgerForeignMemoryOnDevice to fire")
+        firing = wait_until(foreign_alert, 60, "VramledgerForeignMemoryOnDevice to fire")
         assert firing[0]["labels"]["device"] == "host"
         base = yaml.safe_load((RULES_DIR.parent / "prometheus.yml").read_text())["global"]["external_labels"]
         assert firing[0]["annotations"]["runbook_url"] == (base["runbook_base_url"]
@@ -133,6 +125,6 @@ def test_dashboards_and_rules_evaluate_with_data(stack):
     finally:
         mem_hog.stop(hog)
     # With the foreign process gone, the alert resolves.
-    wait_for(lambda: not [a for a in httpx.get(stack.url("prometheus") + "/api/v1/alerts").json()["data"]["alerts"]
-                          if a["labels"]["alertname"] == "VramledgerForeignMemoryOnDevice"], 60,
-             "the foreign-memory alert to resolve")
+    wait_until(lambda: not [a for a in httpx.get(stack.url("prometheus") + "/api/v1/alerts").json()["data"]["alerts"]
+                            if a["labels"]["alertname"] == "VramledgerForeignMemoryOnDevice"], 60,
+               "the foreign-memory alert to resolve")

@@ -20,10 +20,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from local_stack_path import free_port, wait_http
 from prometheus_client.parser import text_string_to_metric_families
 from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
 from vllm_plugin_install import plugin_path
+
+from worker.selfcheck.processes import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -57,10 +58,7 @@ def running_vllm(tmp_path_factory, name: str, env: dict, **kwargs):
                                   env=env, cwd=folder, **kwargs)
     url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_http(url + "/health", vllm_peer.STARTUP_TIMEOUT, server)
-        except (RuntimeError, TimeoutError) as e:
-            pytest.fail(f"{e}\n{log.read_text()[-3000:]}")
+        wait_http(url + "/health", vllm_peer.STARTUP_TIMEOUT, server, log)
         yield server, url, log
     finally:
         if server.poll() is None:

@@ -15,6 +15,7 @@ import pytest
 from server_fixtures import metric_value
 
 from worker.http.settings import SHUTDOWN_MARGIN
+from worker.selfcheck.processes import wait_until
 
 
 def events(lines):
@@ -22,15 +23,6 @@ def events(lines):
     for line in lines:
         if line.startswith("data: "):
             yield line[len("data: "):]
-
-
-def wait_until(predicate, what: str, timeout: float = 30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def draining(url: str) -> bool:
@@ -54,7 +46,7 @@ def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(gated_w
         assert first["choices"][0]["token_ids"]  # the request is running: it has produced a token
 
         proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: draining(url), "/health to answer 503 draining")
+        wait_until(lambda: draining(url), 30, "/health to answer 503 draining", proc)
         refused = client.post(url + "/v1/completions", json=request(model, stream=False))
         assert refused.status_code == 503
         assert refused.headers["retry-after"].isdigit()
@@ -93,7 +85,7 @@ def test_requests_still_running_at_the_drain_timeout_are_aborted(gated_worker):
         plain.start()
         # The engine is held inside its next step: the second request waits for admission.
         wait_until(lambda: metric_value(client.get(url + "/metrics").text, "vramledger_requests_waiting") == 1,
-                   "the second request to be queued")
+                   30, "the second request to be queued", proc)
         proc.send_signal(signal.SIGTERM)  # and the engine never steps again: the drain times out
         terminated = time.monotonic()
         rest = [doc for doc in received]

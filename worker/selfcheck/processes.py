@@ -1,4 +1,12 @@
-"""Every process selfcheck starts, each in its own process group, always stopped on the way out."""
+"""Every process selfcheck starts, each in its own process group, always stopped on the way out; and the
+one free_port / wait_until / wait_http that everything starting a local server uses (selfcheck, and
+also scripts/local_stack.py, bench/ and tests/).
+
+Those helpers live here, not in vramledger/, because selfcheck is the shipped command that needs them
+and this module needs only the standard library and httpx (no torch: `scripts/local_stack.py` imports
+it), while vramledger/ is copied whole into the vLLM plugin's wheel, which holds only what vLLM's
+processes import.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -9,17 +17,20 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+T = TypeVar("T")
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now (the kernel's pick, released at once)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -154,32 +165,80 @@ def signals_raise() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def wait_http(url: str, timeout: float, proc: Started | None = None) -> float:
-    """Wait until url answers 200; return the seconds it took. Raises when proc exits first."""
+def wait_until(predicate: Callable[[], T], timeout: float, what: str,
+               proc: Started | subprocess.Popen | None = None, log: Path | None = None,
+               interval: float = 0.2) -> T:
+    """Poll predicate() until it returns something true, and return that.
+
+    proc: the process it waits on; ProcessExited as soon as it has exited (its output: `log`, or a
+    Started's own log). WaitTimedOut after `timeout` seconds, naming `what` was awaited.
+    """
+    watched = proc if proc is None or isinstance(proc, Started) else Started(_name(proc), proc, log)
+    deadline = time.monotonic() + timeout
+    while True:
+        if watched is not None and not watched.alive():
+            raise ProcessExited(watched, what)
+        if result := predicate():
+            return result
+        if time.monotonic() > deadline:
+            raise WaitTimedOut(f"timed out after {timeout:g} s waiting for {what}", watched)
+        time.sleep(interval)
+
+
+def wait_http(url: str, timeout: float, proc: Started | subprocess.Popen | None = None, log: Path | None = None,
+              ok: Collection[int] = (200,), check: Callable[[], None] | None = None,
+              seen: list[int] | None = None) -> float:
+    """Wait until url answers one of `ok`; return the seconds it took.
+
+    proc and log as for wait_until. check runs before each try and may raise to give up (a stop
+    signal); seen, when given, gets every status url answered (a loading server's 503s).
+    """
     start = time.monotonic()
-    with httpx.Client(timeout=2, trust_env=False) as client:
-        while True:
-            if proc is not None and not proc.alive():
-                raise ProcessExited(proc)
+    with httpx.Client(timeout=2, trust_env=False) as client:  # loopback: no proxy
+        def answered() -> bool:
+            if check is not None:
+                check()
             try:
-                if client.get(url).status_code == 200:
-                    return time.monotonic() - start
+                status = client.get(url).status_code
             except httpx.HTTPError:
-                pass
-            if time.monotonic() - start > timeout:
-                raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
-            time.sleep(0.2)
+                return False  # not listening yet
+            if seen is not None:
+                seen.append(status)
+            return status in ok
+
+        wait_until(answered, timeout, f"{url} to answer {' or '.join(map(str, ok))}", proc, log)
+    return time.monotonic() - start
+
+
+def _name(popen: subprocess.Popen) -> str:
+    args = [popen.args] if isinstance(popen.args, (str, bytes, os.PathLike)) else list(popen.args)
+    return " ".join(Path(str(a)).name if i == 0 else str(a) for i, a in enumerate(args[:4]))
+
+
+def _with_output(headline: str, proc: Started | None) -> str:
+    tail = proc.log_tail() if proc is not None else ""
+    return f"{headline}; its last output:\n{tail}" if tail.strip() else headline
 
 
 class ProcessExited(RuntimeError):
     """A started process exited while it was expected to run; the message ends with its log."""
 
-    def __init__(self, proc: Started):
+    def __init__(self, proc: Started, waiting_for: str):
         self.proc = proc
-        super().__init__(f"{proc.name} (pid {proc.pid}) exited with code {proc.popen.returncode}")
+        self.headline = (f"{proc.name} (pid {proc.pid}) exited with code {proc.popen.returncode} "
+                         f"while waiting for {waiting_for}")
+        super().__init__(_with_output(self.headline, proc))
 
     def last_error(self) -> str:
         """The most telling line of its log: the last 'error' line, else the last line."""
         lines = [line.strip() for line in self.proc.log_tail(8000).splitlines() if line.strip()]
         errors = [line for line in lines if "error" in line.lower()]
         return (errors or lines or ["(no output)"])[-1]
+
+
+class WaitTimedOut(TimeoutError):
+    """What was awaited did not come in time; the message ends with the watched process's log."""
+
+    def __init__(self, headline: str, proc: Started | None):
+        self.headline = headline
+        super().__init__(_with_output(headline, proc))

@@ -24,7 +24,7 @@ from worker.selfcheck import (
 )
 from worker.selfcheck.checkpoints import LARGE_SHAPES, build_random_checkpoint
 from worker.selfcheck.context import Context
-from worker.selfcheck.processes import Processes, ProcessExited, signals_raise
+from worker.selfcheck.processes import Processes, ProcessExited, WaitTimedOut, signals_raise
 from worker.selfcheck.report import (
     FAIL,
     CannotRun,
@@ -49,7 +49,9 @@ def attempt(ctx: Context, result: ScenarioResult, body: Callable[[], None]) -> N
     except CannotRun as e:
         result.skipped = str(e)
     except ProcessExited as e:
-        result.error = f"{e}: {e.last_error()}"
+        result.error = f"{e.headline}: {e.last_error()}"
+    except WaitTimedOut as e:  # one line of the report: the process's log stays in its file
+        result.error = e.headline
     except Exception as e:  # a scenario that could not finish has failed; the next ones still run
         log.debug("scenario %d:\n%s", result.number, traceback.format_exc())
         result.error = f"{type(e).__name__}: {e}"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from vramledger.units import format_bytes
 from worker.selfcheck.context import Context
 from worker.selfcheck.neighbour import start_neighbour
-from worker.selfcheck.processes import ProcessExited, Started
+from worker.selfcheck.processes import ProcessExited, Started, WaitTimedOut
 from worker.selfcheck.report import CannotRun, Check, ScenarioResult
 from worker.selfcheck.scale import PAIR_SHARES
 from worker.selfcheck.scenario_ledger import idle_check
@@ -52,8 +52,8 @@ def set_up(ctx: Context) -> Neighbourhood:
             hood.workers.append(ctx.wait_ready(worker))
         except ProcessExited as e:
             hood.failed[worker.name] = f"exited: {e.last_error()}"
-        except TimeoutError as e:
-            hood.failed[worker.name] = str(e)
+        except WaitTimedOut as e:
+            hood.failed[worker.name] = e.headline  # a line of the table: its log stays in its file
     return hood
 
 
