@@ -8,11 +8,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import httpx
 import jsonschema
 import pytest
 
+from vramledger import ledger_document, ledger_vocabulary
 from vramledger.ledger_document import SCHEMA_FILE, schema_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +49,16 @@ def errors(validator, document) -> list[str]:
 def test_the_shipped_schema_is_the_one_generated_from_the_definition():
     assert SHIPPED.read_text() == schema_text(), \
         f"regenerate it: python -m vramledger.ledger_document > vramledger/{SCHEMA_FILE}"
+
+
+@pytest.mark.parametrize("literal, words", [
+    (ledger_document.Version, (ledger_vocabulary.LEDGER_VERSION,)),
+    (ledger_document.Component, ledger_vocabulary.COMPONENTS),
+    (ledger_document.Scope, (ledger_vocabulary.SCOPE_PROCESS, ledger_vocabulary.SCOPE_DEVICE)),
+    (ledger_document.ServerRole, ledger_vocabulary.SERVER_ROLES),
+])
+def test_the_definitions_words_are_the_vocabularys(literal, words):
+    assert get_args(literal) == words
 
 
 def test_the_definition_imports_without_pydantic():
@@ -91,6 +103,9 @@ def _worker_like(worker_document: dict, change) -> dict:
     (lambda d: d["device"].pop("kind"), "device"),
     (lambda d: d["live"].update(unaccounted=0), "live"),  # a field the definition does not have
     (lambda d: d["entries"][0].update(scope="host"), "entries/0/scope"),
+    (lambda d: d["entries"][0].update(component="weight"), "entries/0/component"),
+    (lambda d: d["device"].update(kind="gpu"), "device/kind"),
+    (lambda d: d.update(version=2), "version"),
 ])
 def test_a_wrong_document_is_refused_where_it_is_wrong(validator, ledger_validator, worker_document, change,
                                                       where):

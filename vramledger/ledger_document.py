@@ -20,7 +20,13 @@ from typing_extensions import NotRequired, TypedDict
 
 SCHEMA_FILE = "ledger.schema.json"
 
-Scope = Literal["process", "device"]  # ledger_vocabulary.SCOPE_PROCESS, SCOPE_DEVICE
+# Written out, as a type must be; tests/test_ledger_schema.py holds each to ledger_vocabulary's words.
+Version = Literal[1]  # LEDGER_VERSION
+Component = Literal["runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "allocator",
+                    "sequence_state", "server", "cuda_graph", "kv_cache"]  # COMPONENTS
+Scope = Literal["process", "device"]  # SCOPE_PROCESS, SCOPE_DEVICE
+ServerRole = Literal["api_server", "engine_core", "other"]  # SERVER_ROLES
+DeviceKind = Literal["cuda", "cpu"]  # what the exporter places a ledger on
 
 
 class ProcessIdentityDoc(TypedDict):
@@ -38,7 +44,7 @@ class ModelsDoc(TypedDict):
 
 
 class DeviceDoc(TypedDict):
-    kind: str  # "cuda" or "cpu"
+    kind: DeviceKind
     index: int
     uuid: str | None
     name: str
@@ -54,9 +60,9 @@ class BudgetDoc(TypedDict):
 
 
 class EntryDoc(TypedDict):
-    """One owner of memory: a component of ledger_vocabulary.COMPONENTS, its model ("" for none)."""
+    """One owner of memory: a component, its model ("" for none) and its bytes."""
 
-    component: str
+    component: Component
     model: str
     bytes: int
     scope: NotRequired[Scope]  # plugin: measured for the process, or read from the device's free memory
@@ -125,7 +131,7 @@ class LiveDoc(TypedDict):
 class LedgerDocument(TypedDict):
     """One process's ledger: the worker's GET /v1/memory, or one vLLM rank's."""
 
-    version: int
+    version: Version
     worker: ProcessIdentityDoc
     models: ModelsDoc
     device: DeviceDoc
@@ -146,7 +152,7 @@ class LedgerDocument(TypedDict):
 class ServerProcessDoc(TypedDict):
     """A process of a vLLM server besides its ranks, declaring what it held when the server was ready."""
 
-    role: str  # ledger_vocabulary.SERVER_ROLES
+    role: ServerRole
     pid: int
     name: str
     bytes: int
@@ -160,7 +166,7 @@ class ServerProcessDoc(TypedDict):
 class ServerDocument(TypedDict):
     """A vLLM server's GET /vramledger/memory: every rank's ledger and the server's other processes."""
 
-    version: int
+    version: Version
     engine: str
     engine_version: str
     ranks: list[LedgerDocument]
