@@ -72,7 +72,7 @@ class EntryDoc(TypedDict):
 class ForeignProcessDoc(TypedDict):
     pid: int
     name: str
-    bytes: int
+    bytes: int | None  # None: the device could not say
 
 
 class ForeignAtStartDoc(TypedDict):
