@@ -6,7 +6,7 @@ plugin's two vLLM entry points; none of the worker, the exporter, their model as
 Its name, vramledger-vllm-plugin, is its own, so it never stands in for the whole project. Version
 and entry points are the project's (pyproject.toml); the package is staged apart and built there,
 so nothing outside it can reach the wheel. It depends on nothing: what the plugin imports (torch,
-psutil, FastAPI, NVML's bindings) comes with vLLM.
+psutil, FastAPI, NVML's bindings, typing_extensions) comes with vLLM.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "vramledger-vllm-plugin"
 PACKAGE = "vramledger"
+SCHEMA_FILE = "ledger.schema.json"  # the ledger document's JSON Schema, shipped beside its definition
 
 
 def _toml():
@@ -39,7 +40,8 @@ def plugin_pyproject() -> str:
              f'requires-python = "{project["requires-python"]}"', 'dependencies = []', '']
     for group, names in points.items():
         lines += [f'[project.entry-points."{group}"]', *(f'{n} = "{v}"' for n, v in names.items()), '']
-    lines += ['[tool.setuptools.packages.find]', f'include = ["{PACKAGE}", "{PACKAGE}.*"]', '']
+    lines += ['[tool.setuptools.packages.find]', f'include = ["{PACKAGE}", "{PACKAGE}.*"]', '',
+              '[tool.setuptools.package-data]', f'{PACKAGE} = ["{SCHEMA_FILE}"]', '']
     return "\n".join(lines)
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from vramledger.ledger_document import SCHEMA_FILE
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import plugin_wheel  # noqa: E402
@@ -30,7 +32,8 @@ def test_the_wheel_holds_the_vramledger_package_and_nothing_else(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     metadata = {n for n in names if n.split("/")[0].endswith(".dist-info")}
     ours = {p.relative_to(ROOT).as_posix() for p in (ROOT / "vramledger").rglob("*.py")}
-    assert set(names) - metadata == ours  # every module of the package, no worker, exporter or assets
+    ours.add(f"vramledger/{SCHEMA_FILE}")  # the ledger's schema, for engines that publish it
+    assert set(names) - metadata == ours  # every module of the package and its schema, nothing else
     assert {n.split("/")[0] for n in metadata} == {"vramledger_vllm_plugin-" + wheel.name.split("-")[1] + ".dist-info"}
 
 

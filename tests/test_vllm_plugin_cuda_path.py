@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
+
+from vramledger.ledger_document import SCHEMA_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -120,6 +123,13 @@ def test_the_recorded_ledgers_are_what_the_plugin_answers(neighbour, draft_after
         assert (doc["version"], doc["engine"]) == (1, "vllm")
         for key in ("entries", "budget", "declared_bytes", "kv_cache", "profile", "sizing", "device"):
             assert run["ledger"][key] == recorded[key], (name, key)
+
+
+def test_the_plugins_ledgers_meet_the_shipped_schema(neighbour, draft_after_profile, neighbour_own_process):
+    validator = jsonschema.Draft202012Validator(json.loads((ROOT / "vramledger" / SCHEMA_FILE).read_text()))
+    for run in (neighbour, draft_after_profile, neighbour_own_process):
+        assert [e.message for e in validator.iter_errors(run["ledger"])] == []
+        assert run["ledger"]["profile"] is not None  # the plugin-only parts, filled in
 
 
 def test_a_graph_capture_only_measuring_is_not_the_graphs_memory(tmp_path):

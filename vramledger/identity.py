@@ -6,6 +6,8 @@ import re
 import socket
 from dataclasses import dataclass
 
+from vramledger.ledger_document import ProcessIdentityDoc
+
 # PROC_PID_INIT_INO: the inode of the host's (initial) pid namespace, fixed in the kernel.
 HOST_PID_NAMESPACE = "pid:[4026531836]"
 
@@ -23,7 +25,7 @@ class ProcessIdentity:
     def current(cls) -> ProcessIdentity:
         return cls(os.getpid(), host_pid(), container_id(), socket.gethostname())
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> ProcessIdentityDoc:
         return {"pid": self.pid, "host_pid": self.host_pid, "container_id": self.container_id,
                 "hostname": self.hostname}
 

@@ -1,6 +1,8 @@
 """The ledger's words (docs/ledger.md): its version, its components in order, how an entry was measured."""
 
-LEDGER_VERSION = 1
+from typing import Final
+
+LEDGER_VERSION: Final = 1  # Final: its value is its type (ledger_document.Version)
 # Entry order in the document and the table: from the process's start to the KV cache.
 COMPONENTS = ("runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "allocator",
               "sequence_state", "server", "cuda_graph", "kv_cache")
@@ -9,7 +11,8 @@ COMPONENTS = ("runtime", "weights", "kernels", "compiled", "activation_peak", "n
 WORKER_COMPONENTS = tuple(c for c in COMPONENTS if c != "cuda_graph")
 # An entry's scope: measured for its process alone, or read from the device's free memory, which
 # also moves when other processes allocate (how a neighbour gets charged to an engine).
-SCOPE_PROCESS, SCOPE_DEVICE = "process", "device"
+SCOPE_PROCESS: Final = "process"
+SCOPE_DEVICE: Final = "device"
 # A vLLM server's processes besides its ranks, by role (the vLLM plugin's "processes": the API server, the
 # engine core, vLLM's helpers); each declares the host memory it held once the server was ready.
 SERVER_ROLES = ("api_server", "engine_core", "other")

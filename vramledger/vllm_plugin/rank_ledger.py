@@ -9,6 +9,16 @@ import platform
 import time
 
 from vramledger.identity import ProcessIdentity
+from vramledger.ledger_document import (
+    Component,
+    DeviceDoc,
+    EntryDoc,
+    KvCacheDoc,
+    LedgerDocument,
+    ModelsDoc,
+    ProfileDoc,
+    Scope,
+)
 from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION, SCOPE_DEVICE, SCOPE_PROCESS
 from vramledger.vllm_plugin.record import StartupRecord
 from vramledger.vllm_plugin.sizing import OWN_PROCESS, own_charge
@@ -18,7 +28,7 @@ _identity: ProcessIdentity | None = None
 NULL_BLOCKS = 1  # BlockPool.__init__ takes the first free block as its null block, for good
 
 
-def document(worker, record: StartupRecord) -> dict:
+def document(worker, record: StartupRecord) -> LedgerDocument:
     """The rank's ledger as JSON-ready data (sent back through vLLM's collective_rpc)."""
     entries = _entries(worker, record)
     declared = sum(e["bytes"] for e in entries)
@@ -48,12 +58,12 @@ def document(worker, record: StartupRecord) -> dict:
     }
 
 
-def _entries(worker, record: StartupRecord) -> list[dict]:
+def _entries(worker, record: StartupRecord) -> list[EntryDoc]:
     budgeted = record.sized_by == "utilization"
     cuda = record.memory is not None and record.memory.kind == "cuda"
-    entries = []
+    entries: list[EntryDoc] = []
 
-    def add(component: str, nbytes: int, scope: str, in_budget: bool, model: str = "") -> None:
+    def add(component: Component, nbytes: int, scope: Scope, in_budget: bool, model: str = "") -> None:
         entries.append({"component": component, "model": model, "bytes": int(nbytes), "scope": scope,
                         "in_budget": in_budget if budgeted else None})
 
@@ -82,7 +92,7 @@ def _entries(worker, record: StartupRecord) -> list[dict]:
     return sorted(entries, key=lambda e: COMPONENTS.index(e["component"]))
 
 
-def _kv_cache(record: StartupRecord, kv_bytes: int) -> dict:
+def _kv_cache(record: StartupRecord, kv_bytes: int) -> KvCacheDoc:
     """The KV cache's blocks as vLLM's scheduler counts them: it keeps one block back, never handed out
     (vllm/v1/core/block_pool.py: the null block, which vllm:kv_cache_usage_perc does not count)."""
     reserved = min(NULL_BLOCKS, record.blocks_total)
@@ -105,7 +115,7 @@ def loaded_models(runner) -> dict:
     return models
 
 
-def _profile(record: StartupRecord) -> dict | None:
+def _profile(record: StartupRecord) -> ProfileDoc | None:
     p = record.profile
     if p is None:
         return None
@@ -118,13 +128,13 @@ def _profile(record: StartupRecord) -> dict | None:
             "cuda_graph_estimate_counted": record.cuda_graph_estimate_counted}
 
 
-def _model_names(worker) -> dict:
+def _model_names(worker) -> ModelsDoc:
     speculative = worker.vllm_config.speculative_config
     draft = getattr(speculative, "draft_model_config", None) if speculative is not None else None
     return {"target": worker.model_config.model, "draft": getattr(draft, "model", None)}
 
 
-def _device(worker, record: StartupRecord) -> dict:
+def _device(worker, record: StartupRecord) -> DeviceDoc:
     device = worker.device
     memory = record.memory
     name = memory.device_name() if memory is not None else None

@@ -17,13 +17,15 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import get_args
 
 import psutil
 
-from vramledger.ledger_vocabulary import SCOPE_PROCESS, SERVER_ROLES
+from vramledger.ledger_document import ServerProcessDoc, ServerRole
+from vramledger.ledger_vocabulary import SCOPE_PROCESS
 from vramledger.procfs import host_memory, read_start
 
-API_SERVER, ENGINE_CORE, OTHER = SERVER_ROLES
+API_SERVER, ENGINE_CORE, OTHER = get_args(ServerRole)  # ledger_vocabulary.SERVER_ROLES, as types
 READY = "ready"  # when a declaration was measured: once the server was ready, before its first request
 # The process title vLLM's engine core sets (vllm/v1/engine/core.py; EngineCore_DP<n> with data parallelism).
 ENGINE_CORE_TITLE = "VLLM::EngineCore"
@@ -36,13 +38,13 @@ class AtReady:
     pid: int
     started: int  # read_start(): with the pid, which process it is (pids are reused)
     name: str
-    role: str
+    role: ServerRole
     bytes: int
     measure: str  # "pss", or "rss" where PSS cannot be read
     at: float
 
 
-def role(pid: int, name: str, api_server_pid: int) -> str:
+def role(pid: int, name: str, api_server_pid: int) -> ServerRole:
     if pid == api_server_pid:
         return API_SERVER
     return ENGINE_CORE if name.startswith(ENGINE_CORE_TITLE) else OTHER
@@ -63,10 +65,10 @@ def at_ready() -> tuple[AtReady, ...]:
     return tuple(found)
 
 
-def declarations(snapshot: Iterable[AtReady], rank_pids: frozenset[int]) -> list[dict]:
+def declarations(snapshot: Iterable[AtReady], rank_pids: frozenset[int]) -> list[ServerProcessDoc]:
     """What the processes of the snapshot declare, but for the ranks and those gone since: each one's
     memory at ready, and what it holds now beside it."""
-    out = []
+    out: list[ServerProcessDoc] = []
     for p in snapshot:
         if p.pid in rank_pids or read_start(p.pid) != p.started:
             continue

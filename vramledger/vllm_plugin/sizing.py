@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from vramledger.ledger_document import SizingDoc
+
 if TYPE_CHECKING:
     from vramledger.vllm_plugin.record import ProfileFacts
 
@@ -58,7 +60,7 @@ class Sizing:
         log.warning("vramledger: %s=%s asked for, but %s; the KV cache is sized by vLLM's own arithmetic "
                     "(the device's free memory)", SETTING, OWN_PROCESS, reason)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> SizingDoc:
         charged = self.charged_bytes
         given_back = None if charged is None or self.vllm_charged_bytes is None else self.vllm_charged_bytes - charged
         return {"requested": self.requested, "ran": self.ran, "fallback": self.fallback,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from vramledger.ledger_document import LedgerDocument
 from worker.config import EngineConfig
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalText, TokenTexts, text_decoder
@@ -111,7 +112,7 @@ class LLMEngine:
         self.ledger.record("weights", nbytes, model=role)
         return model
 
-    def memory_report(self) -> dict:
+    def memory_report(self) -> LedgerDocument:
         """The ledger document of docs/ledger.md, with live figures measured now."""
         return self.ledger.to_dict()
 

@@ -87,17 +87,18 @@ class EngineCollector(Collector):
             memory.add_metric((entry["component"], entry["model"]), entry["bytes"])
         yield memory
         live = report["live"]
-        yield gauge("vramledger_memory_budget_bytes", "Memory the worker may use on its device.",
-                    report["budget"]["bytes"])
-        yield gauge("vramledger_memory_device_total_bytes", "Total memory of the worker's device.",
-                    report["device"]["total_bytes"])
-        yield gauge("vramledger_foreign_memory_at_start_bytes",
-                    "Device memory other processes held when the worker started.",
-                    report["foreign_at_start"]["bytes"])
-        yield gauge("vramledger_process_memory_bytes", "Memory the worker's process holds now "
-                    "(NVML per process on CUDA, RSS on the CPU).", live["process_bytes"])
-        yield gauge("vramledger_unaccounted_memory_bytes",
-                    "max(0, process memory - declared memory), measured now.", live["unaccounted_bytes"])
+        yield from known_gauge("vramledger_memory_budget_bytes", "Memory the worker may use on its device.",
+                               report["budget"]["bytes"])
+        yield from known_gauge("vramledger_memory_device_total_bytes", "Total memory of the worker's device.",
+                               report["device"]["total_bytes"])
+        yield from known_gauge("vramledger_foreign_memory_at_start_bytes",
+                               "Device memory other processes held when the worker started.",
+                               report["foreign_at_start"]["bytes"])
+        yield from known_gauge("vramledger_process_memory_bytes", "Memory the worker's process holds now "
+                               "(NVML per process on CUDA, RSS on the CPU).", live["process_bytes"])
+        yield from known_gauge("vramledger_unaccounted_memory_bytes",
+                               "max(0, process memory - declared memory), measured now.",
+                               live["unaccounted_bytes"])
 
     def _kv_cache(self, engine: LLMEngine) -> Iterator[Metric]:
         blocks = engine.blocks
@@ -171,6 +172,12 @@ class EngineCollector(Collector):
 
 def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+def known_gauge(name: str, documentation: str, value: float | None) -> Iterator[Metric]:
+    """A gauge of a figure the ledger document lets be unknown (null, docs/ledger.md): none then."""
+    if value is not None:
+        yield gauge(name, documentation, value)
 
 
 def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

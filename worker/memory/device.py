@@ -13,6 +13,7 @@ import torch
 
 from vramledger import nvml_devices
 from vramledger.identity import in_host_pid_namespace, proc_status_field
+from vramledger.ledger_document import DeviceKind
 from vramledger.own_memory import OwnDeviceMemory, OwnMemoryUnseen
 from vramledger.processes import ProcessMemory
 
@@ -32,7 +33,7 @@ M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 class Device:
     """One compute device and its memory counters."""
 
-    kind: str
+    kind: DeviceKind
     index: int
     torch_device: torch.device
     uuid: str | None

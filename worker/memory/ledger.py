@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vramledger.identity import ProcessIdentity
+from vramledger.ledger_document import Component, LedgerDocument
 from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION, WORKER_COMPONENTS
 from vramledger.processes import ProcessMemory
 from vramledger.units import GiB, MiB, format_bytes
@@ -18,7 +19,7 @@ from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 class LedgerEntry:
     """One owner of memory: a component, its model ("" for none) and its bytes."""
 
-    component: str
+    component: Component
     model: str
     bytes: int
 
@@ -59,7 +60,7 @@ class Ledger:
         ledger.record("runtime", runtime_bytes(snapshot))
         return ledger
 
-    def record(self, component: str, nbytes: int, model: str = "") -> None:
+    def record(self, component: Component, nbytes: int, model: str = "") -> None:
         """Set the bytes of (component, model), replacing an earlier measurement."""
         if component not in WORKER_COMPONENTS:
             raise ValueError(f"unknown ledger component {component!r}; expected one of {WORKER_COMPONENTS}")
@@ -105,7 +106,7 @@ class Ledger:
         return int(self.blocks_cached() if callable(self.blocks_cached) else self.blocks_cached)
 
     def to_dict(self, process_bytes: int | None = None, blocks_used: int | None = None,
-                blocks_cached: int | None = None) -> dict:
+                blocks_cached: int | None = None) -> LedgerDocument:
         """The ledger document of docs/ledger.md; live values are read now unless given."""
         process = self.device.process_bytes() if process_bytes is None else int(process_bytes)
         used = self.current_blocks_used() if blocks_used is None else int(blocks_used)
