@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps run test lint bench vllm-venv plugin-wheel
+.PHONY: setup system-deps run test test-fast lint bench vllm-venv plugin-wheel
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,6 +25,11 @@ run: setup system-deps
 test: setup system-deps lint
 	-$(MAKE) --no-print-directory vllm-venv
 	$(PY) -m pytest -q tests
+
+# The inner loop: the tests that start no worker, engine process or vLLM (tests/conftest.py marks
+# the others slow), a few minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 # The rules and the type checker's settings live in pyproject.toml.
 lint: setup

@@ -13,6 +13,16 @@ from random_models import make_checkpoint  # noqa: E402
 
 pytest_plugins = ["server_fixtures"]  # the servers the HTTP tests share (spec_server, plain_server, ...)
 
+# `make test-fast` runs what is not marked slow. A test is slow when it starts a worker, an engine
+# process or vLLM: through one of these fixtures, or by its module's `pytestmark = pytest.mark.slow`.
+PROCESS_FIXTURES = frozenset({"spec_server", "plain_server", "gated_worker", "spawn", "plugin_site"})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):

@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 
 import httpx
+import pytest
 from server_fixtures import Server
 
 from worker.http.access_log import ProbeFilter
+
+pytestmark = pytest.mark.slow  # it starts workers (`make test-fast` leaves it out)
 
 
 def access_lines(log: str, request: str) -> list[str]:

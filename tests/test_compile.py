@@ -13,6 +13,8 @@ from worker.engine.sampling_params import SamplingParams
 from worker.models.compiled import compile_model
 from worker.models.loader import load_model
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 # Varied on purpose: a one-token prompt, short and longer ones, alone and batched.
 PROMPTS = [[7], [5, 6, 7], list(range(3, 40)), [9, 9], list(range(50, 61))]

@@ -12,6 +12,8 @@ import pytest
 
 from worker.kernels import native
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 CHILD = Path(__file__).with_name("scratch_denied.py")
 needs_kernels = pytest.mark.skipif(native.isa() is None, reason="no AVX-512 or AVX2 here")
 

@@ -20,6 +20,8 @@ from worker.memory.profiler import module_tensor_bytes
 from worker.models.loader import load_tokenizer
 from worker.models.packed_linear import ROW_BUCKETS
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 GiB = 1 << 30
 
 

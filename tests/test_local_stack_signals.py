@@ -13,6 +13,8 @@ from test_exporter_host import ROOT
 
 from worker.selfcheck.processes import free_port, wait_http, wait_until
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 SCRIPT = ROOT / "scripts" / "local_stack.py"
 
 

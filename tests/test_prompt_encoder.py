@@ -18,6 +18,8 @@ from worker.http.prompt_encoder import SHORT_CHARS, PromptEncoder
 from worker.memory.device import CpuDevice
 from worker.memory.profiler import measure_held
 
+pytestmark = pytest.mark.slow  # it measures tokenizing in processes of their own (`make test-fast` leaves it out)
+
 SHIPPED = "worker/assets/tiny-coder-target"
 MiB = 1 << 20
 

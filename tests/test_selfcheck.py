@@ -43,6 +43,8 @@ from worker.selfcheck.report import (
 from worker.selfcheck.scale import PAIR_SHARES, make_scale
 from worker.selfcheck.view import DeviceView, SampledPeak
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 ROOT = Path(__file__).resolve().parent.parent
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from vllm_peer import vllm_python  # noqa: E402
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 NAME = "tiny-served"
 GUIDELLM_STREAMS = (1, 4)
 GUIDELLM_REQUESTS = 4  # per concurrency: the run stays short

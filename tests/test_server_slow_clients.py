@@ -16,6 +16,8 @@ from server_fixtures import Server
 from worker.http.prompt_bounds import PromptBound, body_limit
 from worker.models.loader import load_tokenizer
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 PATIENCE = 60.0  # seconds a test waits for what the server does within its 1 s timeouts
 STALLED = 200  # uploads held at once, far more than the bodies the server reads at once
 HELD_SLOTS = 2

@@ -21,6 +21,8 @@ from local_stack_path import LocalStack
 
 from worker.selfcheck.processes import wait_until
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 # Series that only exist on some devices: NVML's v2 memory call (reserved memory).
 MAY_BE_ABSENT = {"vramledger_device_memory_reserved_bytes"}
 GiB = 1 << 30

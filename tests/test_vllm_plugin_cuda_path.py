@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import vllm_peer  # noqa: E402
 
-pytestmark = pytest.mark.skipif(vllm_peer.vllm_python() is None,
-                                reason="no vLLM venv (VLLM_VENV or .venv-vllm): run `make vllm-venv`")
+pytestmark = [pytest.mark.slow,  # it starts vLLM's worker code in processes
+              pytest.mark.skipif(vllm_peer.vllm_python() is None,
+                                 reason="no vLLM venv (VLLM_VENV or .venv-vllm): run `make vllm-venv`")]
 MiB, GiB = 1 << 20, 1 << 30
 # What tests/vllm_cuda_path.py's device and stand-in runner do.
 TOTAL, NEIGHBOUR_AT_START, CONTEXT = 4 * GiB, 512 * MiB, 300 * MiB

@@ -13,6 +13,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import plugin_wheel  # noqa: E402
 import vllm_peer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
+
 
 @pytest.mark.skipif(vllm_peer.vllm_python() is None, reason="no vLLM venv (VLLM_VENV or .venv-vllm)")
 def test_the_install_check_takes_the_venv_relative_to_the_checkout():
