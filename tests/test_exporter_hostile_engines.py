@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_exporter_host import find, one, read_line, scrape, spawn, start_exporter  # noqa: F401
 from test_exporter_lifecycle import ledger_worker
-from test_exporter_nvml import WORKER, exporter, ledger_doc
+from test_exporter_nvml import WORKER, exporter, ledger_doc, split_samples
 from test_exporter_vllm import MODEL, gpu_text
 from test_exporter_vllm_ledger import NEIGHBOUR, load
 
@@ -213,14 +213,7 @@ def engine_server():
 def exposed(registry) -> tuple[dict, dict]:
     """What /metrics answers (prometheus_client's exposition, as its HTTP handler runs it), as
     ({(metric, labels): value} without the exporter's own health, {source: errors})."""
-    values, errors = {}, {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in family.samples:
-            if s.name == "vramledger_exporter_errors_total":
-                errors[s.labels["source"]] = s.value
-            elif not s.name.startswith("vramledger_exporter_"):
-                values[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return values, errors
+    return split_samples(text_string_to_metric_families(generate_latest(registry).decode()))
 
 
 # The neighbours every case runs beside: a worker and a GPU (the engine under test is this process).

@@ -68,8 +68,13 @@ def exporter(monkeypatch, gpus, docs, max_processes=32, resolver=None, engines=(
 
 def scrape(registry) -> tuple[dict, dict]:
     """One scrape: ({(metric, labels): value} without the exporter's own health, {source: errors})."""
+    return split_samples(registry.collect())
+
+
+def split_samples(families) -> tuple[dict, dict]:
+    """Metric families as ({(metric, labels): value} without the exporter's own health, {source: errors})."""
     values, errors = {}, {}
-    for family in registry.collect():
+    for family in families:
         for s in family.samples:
             if s.name == "vramledger_exporter_errors_total":
                 errors[s.labels["source"]] = s.value
