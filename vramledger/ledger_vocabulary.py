@@ -9,6 +9,11 @@ COMPONENTS = ("runtime", "weights", "kernels", "compiled", "activation_peak", "n
 # The worker captures no CUDA graphs and so records no cuda_graph entry; vLLM's ledger (vllm_plugin) does.
 # The memory-ledger dashboard stacks exactly these (tests/test_dashboards.py).
 WORKER_COMPONENTS = tuple(c for c in COMPONENTS if c != "cuda_graph")
+# What the worker measures as growth of its process before the profile run, and so what its non_torch
+# residual (the process's growth since start that nothing else explains) subtracts. A component
+# recorded before the profile run and not named here would be counted twice: the worker refuses to
+# size its KV cache then (worker/engine/memory_setup.py).
+GROWTH_BEFORE_PROFILE = ("weights", "kernels", "compiled")
 # An entry's scope: measured for its process alone, or read from the device's free memory, which
 # also moves when other processes allocate (how a neighbour gets charged to an engine).
 SCOPE_PROCESS: Final = "process"

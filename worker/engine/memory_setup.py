@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from vramledger.ledger_vocabulary import GROWTH_BEFORE_PROFILE
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.profile_run import (
@@ -49,14 +50,9 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
         runner.workspace.clear()  # serving grows it again, never past this run: an activation
     runner.kv.clear()
     device.empty_cache()
-    ledger.record("activation_peak", window.activation_peak_bytes)
-    # Non-torch is everything the process gained since start that torch does not explain:
-    # the profile run's lasting growth, and what imports and loaders left behind.
     now = MemorySnapshot.take(device)
-    explained = max(now.torch_reserved, ledger.bytes_of("weights")) + ledger.bytes_of("kernels") \
-        + ledger.bytes_of("compiled")
-    since_start = now.process - ledger.bytes_of("runtime") - explained
-    ledger.record("non_torch", max(window.non_torch_bytes, since_start))
+    ledger.record("non_torch", max(window.non_torch_bytes, unexplained_growth(ledger, now)))
+    ledger.record("activation_peak", window.activation_peak_bytes)
     ledger.record("allocator", window.allocator_bytes)
     per_block = runner.bytes_per_block()
     usable = max_usable_kv_bytes(c.max_num_seqs, c.max_model_len, c.block_size, per_block, k)
@@ -79,3 +75,18 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
                       free_bytes=ledger.free_at_start_bytes, own_bytes=ledger.bytes_of("runtime"))
     ledger.set_kv_cache(c.block_size, per_block, num_blocks)
     return num_blocks
+
+
+def unexplained_growth(ledger: Ledger, now: MemorySnapshot) -> int:
+    """What the process gained since start that neither torch nor an entry measured as growth
+    explains (the profile run's lasting growth, what imports and loaders left behind). Raises
+    RuntimeError when an entry recorded so far is not declared as growth (GROWTH_BEFORE_PROFILE):
+    it would be counted again here."""
+    undeclared = {e.component for e in ledger.entries} - {"runtime", *GROWTH_BEFORE_PROFILE}
+    if undeclared:
+        raise RuntimeError(f"ledger entries {sorted(undeclared)} were measured before the profile run but are "
+                           "not in ledger_vocabulary.GROWTH_BEFORE_PROFILE: non_torch would count them twice")
+    # torch explains what it reserved, the weights among it (the weights alone where that reads less).
+    explained = max(now.torch_reserved, ledger.bytes_of("weights")) \
+        + sum(ledger.bytes_of(c) for c in GROWTH_BEFORE_PROFILE if c != "weights")
+    return now.process - ledger.bytes_of("runtime") - explained
