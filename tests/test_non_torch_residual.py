@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from vramledger.ledger_vocabulary import GROWTH_BEFORE_PROFILE, MEASURED_FROM_PROFILE, WORKER_COMPONENTS
+from worker.engine import memory_setup
 from worker.engine.memory_setup import unexplained_growth
 from worker.memory.device import CpuDevice
 from worker.memory.ledger import Ledger
@@ -40,12 +42,23 @@ def test_the_residual_subtracts_every_declared_growth(torch_reserved, explained_
     assert unexplained_growth(loaded_ledger(), now) == 500 * MiB - explained_by_torch - 7 * MiB - 5 * MiB
 
 
-@pytest.mark.parametrize("component", ["allocator", "sequence_state", "activation_peak"])
-def test_an_entry_not_declared_as_growth_is_refused(component):
-    # Recorded before the profile run and not named in GROWTH_BEFORE_PROFILE: the residual would count
-    # its bytes again, so sizing stops, naming it.
+def test_an_entry_not_declared_as_growth_is_refused(monkeypatch):
+    # A component measured before the profile run but named in neither list (here: kernels, taken
+    # out of the growth): the residual would count its bytes again, so sizing stops, naming it.
+    monkeypatch.setattr(memory_setup, "GROWTH_BEFORE_PROFILE", ("weights", "compiled"))
+    with pytest.raises(RuntimeError, match="'kernels'.*GROWTH_BEFORE_PROFILE"):
+        unexplained_growth(loaded_ledger(), snapshot(800 * MiB, 0))
+
+
+def test_an_earlier_plans_entries_are_replaced_not_refused():
     ledger = loaded_ledger()
-    ledger.record(component, 64 * MiB)
-    with pytest.raises(RuntimeError, match=f"'{component}'.*GROWTH_BEFORE_PROFILE"):
-        unexplained_growth(ledger, snapshot(800 * MiB, 0))
+    for component in MEASURED_FROM_PROFILE:
+        ledger.record(component, 64 * MiB)
+    assert unexplained_growth(ledger, snapshot(800 * MiB, 0)) == 500 * MiB - 120 * MiB - 7 * MiB - 5 * MiB
+
+
+def test_every_worker_component_is_classified():
+    # A new component is added to the vocabulary with its place in the residual, or this fails.
+    classified = ("runtime", *GROWTH_BEFORE_PROFILE, *MEASURED_FROM_PROFILE)
+    assert sorted(classified) == sorted(WORKER_COMPONENTS)
 

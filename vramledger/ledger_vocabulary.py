@@ -14,6 +14,9 @@ WORKER_COMPONENTS = tuple(c for c in COMPONENTS if c != "cuda_graph")
 # recorded before the profile run and not named here would be counted twice: the worker refuses to
 # size its KV cache then (worker/engine/memory_setup.py).
 GROWTH_BEFORE_PROFILE = ("weights", "kernels", "compiled")
+# What the worker's memory plan measures from the profile run on, replacing an earlier plan's. With
+# runtime and the growth above, these are every worker component (tests/test_non_torch_residual.py).
+MEASURED_FROM_PROFILE = ("activation_peak", "non_torch", "allocator", "sequence_state", "server", "kv_cache")
 # An entry's scope: measured for its process alone, or read from the device's free memory, which
 # also moves when other processes allocate (how a neighbour gets charged to an engine).
 SCOPE_PROCESS: Final = "process"

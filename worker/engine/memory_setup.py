@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vramledger.ledger_vocabulary import GROWTH_BEFORE_PROFILE
+from vramledger.ledger_vocabulary import GROWTH_BEFORE_PROFILE, MEASURED_FROM_PROFILE
 from worker.config import EngineConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.profile_run import (
@@ -80,9 +80,10 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
 def unexplained_growth(ledger: Ledger, now: MemorySnapshot) -> int:
     """What the process gained since start that neither torch nor an entry measured as growth
     explains (the profile run's lasting growth, what imports and loaders left behind). Raises
-    RuntimeError when an entry recorded so far is not declared as growth (GROWTH_BEFORE_PROFILE):
-    it would be counted again here."""
-    undeclared = {e.component for e in ledger.entries} - {"runtime", *GROWTH_BEFORE_PROFILE}
+    RuntimeError when an entry recorded so far is neither declared as growth (GROWTH_BEFORE_PROFILE)
+    nor one the plan measures itself (MEASURED_FROM_PROFILE, an earlier plan's): it would be counted
+    again here."""
+    undeclared = {e.component for e in ledger.entries} - {"runtime", *GROWTH_BEFORE_PROFILE, *MEASURED_FROM_PROFILE}
     if undeclared:
         raise RuntimeError(f"ledger entries {sorted(undeclared)} were measured before the profile run but are "
                            "not in ledger_vocabulary.GROWTH_BEFORE_PROFILE: non_torch would count them twice")
