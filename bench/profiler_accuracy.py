@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from worker.cli import add_engine_flags, add_waiting_flag, engine_config
-from worker.selfcheck.processes import free_port, wait_http
+from worker.selfcheck.processes import free_port, stop_group, wait_http
 
 MiB = 1 << 20
 KV_SHARE_TARGET = 0.95
@@ -137,11 +136,7 @@ def http_run(args, engine_flags: list[str]) -> dict:
                     failed=sum(r != 200 for r in results), live=final["live"]["process_bytes"],
                     device=memory["device"]["kind"])
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
+        stop_group(worker, 30, "worker")
         os.unlink(log)
 
 

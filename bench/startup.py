@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from vllm_peer import STARTUP_TIMEOUT, vllm_command  # noqa: E402
 
 from worker.config import DEFAULT_MODEL  # noqa: E402
+from worker.selfcheck.processes import stop_group  # noqa: E402
 
 POLL_S = 0.05  # /health is asked this often: the figure's resolution
 
@@ -60,12 +60,7 @@ def time_to_ready(cmd: list[str], url: str, log: Path, env: dict | None = None) 
             time.sleep(POLL_S)
         return ready, httpx.get(url + "/metrics", timeout=10).text
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, 60, cmd[0])
 
 
 def phases(metrics: str) -> dict[str, float]:

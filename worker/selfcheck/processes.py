@@ -102,18 +102,7 @@ class Processes:
 
     def stop(self, proc: Started, timeout: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL it when it is still there after timeout."""
-        if proc.alive():
-            _signal_group(proc.popen, signal.SIGTERM)
-            try:
-                proc.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %d) ignored SIGTERM for %.0f s: killing it",
-                            proc.name, proc.pid, timeout)
-        # Whatever the leader did, nothing of its group may outlive it.
-        _signal_group(proc.popen, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(5)
-        _wait_group_gone(proc.popen.pid, 5.0)
+        stop_group(proc.popen, timeout, proc.name)
         for pipe in (proc.popen.stdin, proc.popen.stdout):
             if pipe is not None:
                 with contextlib.suppress(OSError):
@@ -132,6 +121,22 @@ class Processes:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def stop_group(popen: subprocess.Popen, timeout: float = 15.0, name: str = "process") -> None:
+    """SIGTERM the group a process leads (started with start_new_session), SIGKILL what is left of it
+    after timeout; returns once the group is gone."""
+    if popen.poll() is None:
+        _signal_group(popen, signal.SIGTERM)
+        try:
+            popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) ignored SIGTERM for %.0f s: killing it", name, popen.pid, timeout)
+    # Whatever the leader did, nothing of its group may outlive it.
+    _signal_group(popen, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(5)
+    _wait_group_gone(popen.pid, 5.0)
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:
