@@ -1,4 +1,5 @@
-"""Command line of the sidecar: python -m exporter --worker URL ... --vllm URL[=PID] ..."""
+"""Command line of the sidecar: python -m exporter --worker URL ... --vllm URL[=PID] ..., one flag per
+registered engine kind (exporter/engines/registry.py)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from exporter.collector import ExporterCollector
 from exporter.discovery import DiscoveredEngines
-from exporter.engines import Engines, EngineSet, base_url, parse_vllm_arg
+from exporter.engines import Engines, EngineSet, parse_engine_arg
+from exporter.engines.kinds import POD_LABEL, EngineKind
+from exporter.engines.registry import kinds
 from exporter.errors import ErrorLog
 from exporter.kubernetes import PodDirectory
 from exporter.sources import SourceUnavailable, open_source
@@ -37,29 +40,43 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _vllm(text: str) -> str:
-    try:
-        parse_vllm_arg(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-    return text
+def _engine_arg(kind: EngineKind):
+    def check(text: str) -> str:
+        try:
+            parse_engine_arg(kind, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+        return text
+    return check
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One repeatable flag per registered kind; its values are args.<flag without dashes>."""
+    for kind in kinds():
+        pid = (("; its processes are found by the port it listens on, or from PID (its API server) when "
+                "the exporter cannot see that socket (another network namespace)") if kind.takes_pid else "")
+        p.add_argument(kind.flag, action="append", default=[], metavar="URL[=PID]" if kind.takes_pid else "URL",
+                       type=_engine_arg(kind), dest=_dest(kind),
+                       help=f"base URL of {kind.title}, read each scrape (repeatable; an OpenAI base URL "
+                            f"ending in /v1 means its server){pid}; what it declares: docs/exporter.md")
+
+
+def _dest(kind: EngineKind) -> str:
+    return kind.flag.lstrip("-").replace("-", "_")
+
+
+def given_engines(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each registered kind's name -> the values of its flag."""
+    return {kind.name: getattr(args, _dest(kind)) for kind in kinds()}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m exporter", description=(
-        "vramledger sidecar: joins device memory with what each engine (vramledger, vLLM) declares."))
-    p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="base URL of a vramledger worker, its GET /v1/memory read each scrape (repeatable; "
-                        "an OpenAI base URL ending in /v1 means its server)")
-    p.add_argument("--vllm", action="append", default=[], metavar="URL[=PID]", type=_vllm,
-                   help="base URL of a vLLM server whose /metrics is read each scrape, and its ledger "
-                        "(/vramledger/memory, with the vramledger vLLM plugin) once per server run "
-                        "(repeatable; an OpenAI base URL ending in /v1 means its server); its processes are "
-                        "found by the port it listens on, or from PID (its API server) when the exporter "
-                        "cannot see that socket (another network namespace)")
+        "vramledger sidecar: joins device memory with what each engine declares."))
+    _add_engine_flags(p)
     p.add_argument("--kubernetes", action="store_true",
                    help="in a cluster: also watch the engines of this node (NODE_NAME) that the API "
-                        "lists, by the pod label vramledger.io/engine (vramledger or vllm), and name each "
+                        f"lists, by the pod label {POD_LABEL} ({', '.join(k.name for k in kinds())}), and name each "
                         "process's namespace, pod and container (docs/kubernetes.md)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve /metrics on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=9400, help="port to serve /metrics on; 0 picks a free one")
@@ -80,10 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    vllm_urls = [text.rpartition("=")[0] if parse_vllm_arg(text)[1] else text for text in args.vllm]
-    for url in [*args.worker, *vllm_urls]:
-        if base_url(url) != url.rstrip("/"):
-            log.info("%s is an OpenAI API base URL: watching its server, %s", url, base_url(url))
+    given = given_engines(args)
+    for kind in kinds():
+        for text in given[kind.name]:
+            url, pid = parse_engine_arg(kind, text)
+            shown = text if pid is None else text.rpartition("=")[0]
+            if url != shown.rstrip("/"):
+                log.info("%s is an OpenAI API base URL: watching its server, %s", shown, url)
     errors = ErrorLog()
     try:
         source = open_source(args.backend, errors, args.min_process_memory)
@@ -92,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               "(--backend auto falls back to the host reader)", file=sys.stderr)
         return 1
     try:
-        engines = Engines.open(args.worker, args.vllm, args.worker_timeout, errors)
+        engines = Engines.open(given, args.worker_timeout, errors)
     except ValueError as e:
         print(f"exporter: {e}", file=sys.stderr)
         source.close()
@@ -129,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host, port = server.server_address[:2]
     if not watched.urls and pods is None:
-        log.warning("no --worker or --vllm given: serving device metrics only")
-    log.info("%s reader, %d worker(s), %d vLLM server(s); listening on http://%s:%d/metrics",
-             source.name, len(args.worker), len(args.vllm), host, port)
+        log.warning("no engine given (%s): serving device metrics only", ", ".join(k.flag for k in kinds()))
+    log.info("%s reader, %s; listening on http://%s:%d/metrics", source.name,
+             ", ".join(f"{len(urls)} {name}" for name, urls in given.items()), host, port)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -144,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def refuse_wrong_kinds(engines: Engines) -> None:
-    """A first read: a --worker that is a vLLM server (or the reverse) is refused, naming the right flag.
+    """A first read: an engine given under another kind's flag (a --worker that is a vLLM server, say) is
+    refused, naming the right flag.
 
     An engine that is down, or slower than STARTUP_WAIT, is not refused: it is watched, and says what
     it is once it answers.

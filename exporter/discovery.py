@@ -2,7 +2,7 @@
 
 It answers like exporter.engines.Engines (urls, sources, read(), close()), but its members change:
 a pod that appears gets an adapter, one that goes away loses it; given and found engines are read
-together. A vLLM server's processes are the processes of its pod (their cgroups name it): the
+together. A found engine's processes are the processes of its pod (their cgroups name it): the
 exporter cannot see a socket in the pod's network namespace, so finding them by port would fail.
 """
 from __future__ import annotations
@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 from exporter.cgroups import pids_in_pod
-from exporter.engines import Engine, Engines, Reading, VllmEngine, VramledgerEngine
+from exporter.engines import Engine, Engines, Reading
 from exporter.engines.fetch import HttpClient
-from exporter.engines.vllm import SOURCE as VLLM_SOURCE
-from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
+from exporter.engines.registry import kind_named, kinds
 from exporter.errors import ErrorLog
 from exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
 from exporter.kubernetes import Engine as FoundEngine
@@ -49,7 +48,7 @@ class PodLocator:
 
 
 class DiscoveredEngines:
-    """The --worker / --vllm engines given, plus those the API lists on this node, read in parallel."""
+    """The engines given (--worker, --vllm, ...), plus those the API lists on this node, read in parallel."""
 
     def __init__(self, pods: PodDirectory, given: Engines, timeout: float, errors: ErrorLog):
         self._pods = pods
@@ -58,7 +57,7 @@ class DiscoveredEngines:
         self._errors = errors
         self._client = HttpClient(timeout)
         self._found: dict[str, str] = {}  # URL -> pod UID, while listed
-        self.sources = tuple(dict.fromkeys((*given.sources, WORKER_SOURCE, VLLM_SOURCE, KUBERNETES_SOURCE)))
+        self.sources = tuple(dict.fromkeys((*given.sources, *(k.source for k in kinds()), KUBERNETES_SOURCE)))
 
     @property
     def urls(self) -> list[str]:
@@ -84,8 +83,8 @@ class DiscoveredEngines:
                 self._engines.add(self._adapter(found))
 
     def _adapter(self, found: FoundEngine) -> Engine:
-        if found.kind == "vllm":
-            return VllmEngine(found.url, self._client, self._errors,
-                              PodLocator(found.uid, f"{found.namespace}/{found.pod}"))
-        return VramledgerEngine(found.url, self._client, self._errors,
-                                locator=PodLocator(found.uid, f"{found.namespace}/{found.pod}"))
+        kind = kind_named(found.kind)
+        if kind is None:  # listed only with a registered kind's label (PodDirectory.engines)
+            raise ValueError(f"no engine kind {found.kind!r}")
+        return kind.adapter(found.url, self._client, self._errors,
+                            PodLocator(found.uid, f"{found.namespace}/{found.pod}"))

@@ -1,7 +1,7 @@
 """The pods on the exporter's node, through the Kubernetes API (the `kubernetes` client).
 
-Two uses: the engines to read (pods labelled vramledger.io/engine: vramledger or vllm, read on the
-port in the vramledger.io/port annotation), and the namespace, pod and container behind a process,
+Two uses: the engines to read (pods labelled vramledger.io/engine: <a registered kind's name>, read on
+the port in the vramledger.io/port annotation), and the namespace, pod and container behind a process,
 from its cgroup (exporter/cgroups.py). One list of this node's pods is cached; a pod UID it does not
 know (a new pod) lists again, at most every `min_interval` seconds, and a container id it does not know
 (a restarted container) reads that one pod again. When the API fails, the error is counted and the
@@ -16,14 +16,14 @@ import time
 from dataclasses import dataclass, field
 
 from exporter.cgroups import CgroupIdentity, read_cgroup, strip_runtime
+from exporter.engines.kinds import POD_LABEL
+from exporter.engines.registry import kind_named
 from exporter.errors import ErrorLog
 
 log = logging.getLogger(__name__)
 SOURCE = "kubernetes"
-ENGINE_LABEL = "vramledger.io/engine"
 PORT_ANNOTATION = "vramledger.io/port"
-ENGINE_KINDS = ("vramledger", "vllm")
-DEFAULT_PORT = 8000  # both engines' default
+DEFAULT_PORT = 8000  # our worker's and vLLM's default; other engines' pods name theirs
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ NO_POD = PodLabels()
 
 @dataclass(frozen=True)
 class Engine:
-    """An engine found on this node: its kind ("vramledger" or "vllm"), base URL and pod."""
+    """An engine found on this node: its kind (a registered kind's name), base URL and pod."""
 
     kind: str
     url: str
@@ -128,8 +128,8 @@ class PodDirectory:
             self._refresh_if_stale()
             found = []
             for pod in self._pods.values():
-                kind = pod.labels.get(ENGINE_LABEL)
-                if kind not in ENGINE_KINDS or pod.phase != "Running" or not pod.ip:
+                kind = pod.labels.get(POD_LABEL)
+                if kind is None or kind_named(kind) is None or pod.phase != "Running" or not pod.ip:
                     continue
                 port = pod.annotations.get(PORT_ANNOTATION, str(DEFAULT_PORT))
                 if not port.isdigit():

@@ -24,7 +24,7 @@ def discovered(api, clock, errors, given=()) -> DiscoveredEngines:
     config.retries = 0
     pods = PodDirectory(client.CoreV1Api(client.ApiClient(config)), NODE, errors, max_age=30, min_interval=5,
                         clock=clock)
-    return DiscoveredEngines(pods, Engines.open(list(given), [], 1.0, errors), 1.0, errors)
+    return DiscoveredEngines(pods, Engines.open({"vramledger": list(given)}, 1.0, errors), 1.0, errors)
 
 
 def worker_pod(url: str, uid: str | None = None) -> dict:

@@ -14,9 +14,9 @@ from test_exporter_host import PY, read_line, spawn  # noqa: F401
 from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, state, worker
 
 from exporter.cli import build_parser
-from exporter.engines import Engines, Status, VllmEngine, parse_vllm_arg
+from exporter.engines import Engines, Status, VllmEngine, parse_engine_arg
 from exporter.engines.fetch import HttpClient
-from exporter.engines.vllm import VllmMetrics, parse_metrics
+from exporter.engines.vllm import KIND, VllmMetrics, parse_metrics
 from exporter.errors import ErrorLog
 from exporter.processes import TREE_MAX_AGE, NotFound, PortLocator, listening_pid, process_tree, url_address
 from worker.selfcheck.processes import free_port
@@ -149,13 +149,13 @@ def test_nothing_listening_and_a_remote_host_say_why():
 
 
 def test_the_vllm_argument():
-    assert parse_vllm_arg("http://vllm:8000/") == ("http://vllm:8000", None)
+    assert parse_engine_arg(KIND, "http://vllm:8000/") == ("http://vllm:8000", None)
     # vLLM's OpenAI base URL, as its clients are configured, means the server.
-    assert parse_vllm_arg("http://vllm:8000/v1") == parse_vllm_arg("http://vllm:8000/v1/") == (
+    assert parse_engine_arg(KIND, "http://vllm:8000/v1") == parse_engine_arg(KIND, "http://vllm:8000/v1/") == (
         "http://vllm:8000", None)
-    assert parse_vllm_arg("http://vllm:8000/v1=4242") == ("http://vllm:8000", 4242)
-    assert parse_vllm_arg("http://vllm:8000=4242") == ("http://vllm:8000", 4242)
-    assert parse_vllm_arg("http://vllm:8000/x?a=b") == ("http://vllm:8000/x?a=b", None)
+    assert parse_engine_arg(KIND, "http://vllm:8000/v1=4242") == ("http://vllm:8000", 4242)
+    assert parse_engine_arg(KIND, "http://vllm:8000=4242") == ("http://vllm:8000", 4242)
+    assert parse_engine_arg(KIND, "http://vllm:8000/x?a=b") == ("http://vllm:8000/x?a=b", None)
     args = build_parser().parse_args(["--vllm", "http://a:8000", "--worker", "http://b:8000",
                                       "--vllm", "http://c:8000=77"])
     assert (args.vllm, args.worker) == (["http://a:8000", "http://c:8000=77"], ["http://b:8000"])

@@ -102,7 +102,7 @@ def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
     urls = [f"{routes}/{name}" for name in ("good", "garbage", "shape", "error", "slow")]
     urls.append(f"http://127.0.0.1:{free_port()}")
     errors = ErrorLog()
-    fetcher = Engines.open(urls, [], timeout=0.3, errors=errors)
+    fetcher = Engines.open({"vramledger": urls}, timeout=0.3, errors=errors)
     registry = CollectorRegistry()
     registry.register(ExporterCollector(HostSource(errors, min_process_bytes=TIB), fetcher, errors))
     expected = {urls[0]: "serving", urls[1]: "wrong", urls[2]: "wrong", urls[3]: "wrong", urls[4]: "unreachable",

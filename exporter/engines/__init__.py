@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
@@ -9,14 +10,16 @@ from typing import Protocol
 from exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
 from exporter.engines.bounds import OutOfBounds, check_state
 from exporter.engines.fetch import HttpClient
+from exporter.engines.kinds import EngineKind
 from exporter.engines.lifecycle import Lifecycle, Reading
+from exporter.engines.registry import kind_named
 from exporter.engines.vllm import VllmEngine
 from exporter.engines.vramledger import VramledgerEngine
 from exporter.errors import ErrorLog
 from exporter.processes import PortLocator
 
 __all__ = ["Engine", "EngineInfo", "EngineState", "Engines", "Reading", "Status", "VllmEngine",
-           "VramledgerEngine", "base_url", "parse_vllm_arg"]
+           "VramledgerEngine", "base_url", "parse_engine_arg"]
 
 log = logging.getLogger(__name__)
 MAX_THREADS = 64  # one read in flight per engine at most; beyond this many engines reads queue
@@ -27,10 +30,11 @@ def base_url(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
-def parse_vllm_arg(text: str) -> tuple[str, int | None]:
-    """--vllm URL, or URL=PID when the exporter cannot find the server's process by its port."""
+def parse_engine_arg(kind: EngineKind, text: str) -> tuple[str, int | None]:
+    """A kind's flag's value: URL, or URL=PID where the kind takes a pid (for a server whose process the
+    exporter cannot find by its port); the URL is its server's base URL."""
     url, sep, pid = text.rpartition("=")
-    if not sep or "/" in pid or not pid.strip().isdigit():
+    if not kind.takes_pid or not sep or "/" in pid or not pid.strip().isdigit():
         return base_url(text), None
     if int(pid) <= 0:
         raise ValueError(f"bad pid in {text!r}")
@@ -96,11 +100,16 @@ class Engines:
         self.sources = tuple(dict.fromkeys(e.source for e in engines))
 
     @classmethod
-    def open(cls, workers: list[str], vllms: list[str], timeout: float, errors: ErrorLog) -> Engines:
+    def open(cls, given: Mapping[str, list[str]], timeout: float, errors: ErrorLog) -> Engines:
+        """The engines given on the command line: each kind's name -> its flag's values."""
         client = HttpClient(timeout)
-        engines: list[Engine] = [VramledgerEngine(base_url(url), client, errors) for url in workers]
-        for url, pid in map(parse_vllm_arg, vllms):
-            engines.append(VllmEngine(url, client, errors, PortLocator(url, pid)))
+        engines: list[Engine] = []
+        for name, values in given.items():
+            kind = kind_named(name)
+            if kind is None:
+                raise ValueError(f"no engine kind {name!r}")
+            for url, pid in (parse_engine_arg(kind, text) for text in values):
+                engines.append(kind.adapter(url, client, errors, None if pid is None else PortLocator(url, pid)))
         return cls(engines, errors, client, timeout)
 
     @property

@@ -3,8 +3,8 @@
 An adapter reads one server per scrape and answers an EngineState: the host pids of its processes,
 what it declares (a fixed number of bytes, its ledger per rank, or a share of each device it uses),
 its KV cache usage and its identity; or it raises NotServing, saying which of the other lifecycle
-states the server is in and why. SGLang or TGI would be one more module beside vramledger.py and
-vllm.py.
+states the server is in and why. Each kind is one module that declares its KIND (kinds.py); the
+registry (registry.py) finds it.
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from exporter.engines.fetch import HttpClient
 from exporter.errors import ErrorLog
 from exporter.processes import Locator
 
+POD_LABEL = "vramledger.io/engine"  # a pod's engine kind, for --kubernetes: the kind's name
+
 # (url, client, errors, locator): the adapter of one server; locator None means "by its port".
 AdapterFactory = Callable[[str, HttpClient, ErrorLog, "Locator | None"], Engine]
 
@@ -33,3 +35,6 @@ class EngineKind:
     signature: bytes | None
     declares: str  # docs/exporter.md's table: what it declares (weights, KV, graphs, budget, KV usage)
     takes_pid: bool = False  # whether its flag takes URL=PID, for a server whose port cannot be seen
+    # docs/exporter.md's table: what the exporter can flag for it given what it declares (unaccounted
+    # memory needs a declared total; "" where it flags nothing beyond its processes' attribution).
+    flags: str = ""

@@ -21,11 +21,13 @@ from prometheus_client.samples import Sample
 from exporter.engines.base import EngineInfo, EngineState, Loading, NotServing, Unreachable, Wrong
 from exporter.engines.bounds import OutOfBounds, shown
 from exporter.engines.fetch import HttpClient, fetch
+from exporter.engines.kinds import EngineKind
 from exporter.engines.vllm_ledger import LedgerReader
+from exporter.engines.wrong_kind import other_kind
 from exporter.errors import ErrorLog
 from exporter.processes import Locator, NotFound, PortLocator
 
-KIND = "vllm"
+NAME = "vllm"
 SOURCE = "vllm"
 # The only series read; a vLLM /metrics is ~60 KB, mostly histograms, so the other lines are skipped
 # unparsed (found with bytes.find rather than split: a tenth of the cost).
@@ -125,7 +127,7 @@ class VllmEngine:
     accept connections yet: unreachable). Processes that cannot be found are counted in
     vramledger_exporter_errors_total{source="vllm"}: the server serves, the exporter cannot see it.
     """
-    kind, source = KIND, SOURCE
+    kind, source = NAME, SOURCE
 
     def __init__(self, url: str, client: HttpClient, errors: ErrorLog, locator: Locator | None = None):
         self.url = url.rstrip("/")
@@ -150,7 +152,7 @@ class VllmEngine:
             self._errors.record(SOURCE, f"no_process {self.url}", f"{self.url}: {e}")
             pids = frozenset()
         ledger = self._ledger.read(pids)
-        return EngineState(pids, EngineInfo(KIND, self._read_version(), metrics.model), metrics.kv_usage,
+        return EngineState(pids, EngineInfo(NAME, self._read_version(), metrics.model), metrics.kv_usage,
                            declared_share=metrics.declared_share, ranks=ledger.ranks, processes=ledger.processes)
 
     def read_metrics(self) -> VllmMetrics:
@@ -159,11 +161,7 @@ class VllmEngine:
         try:
             return parse_metrics(text)
         except ValueError as e:
-            if b"vramledger_serving_info" in text:
-                raise Wrong(f"{self.url} is a vramledger worker, not a vLLM server: watch it with --worker "
-                            f"{self.url} (in a cluster: pod label vramledger.io/engine: vramledger)",
-                            wrong_kind=True) from None
-            raise Wrong(f"{self.url}/metrics: {e}") from None
+            raise other_kind(self.url, text, KIND) or Wrong(f"{self.url}/metrics: {e}") from None
 
     def check_health(self) -> None:
         """GET /health; raises NotServing where vLLM says its engine is not healthy.
@@ -190,3 +188,14 @@ class VllmEngine:
                 self._errors.note(SOURCE, f"no_version {self.url}", f"{self.url}/version: {e}")
                 self._version = ""
         return self._version
+
+
+KIND = EngineKind(
+    name=NAME, flag="--vllm", title="a vLLM server", source=SOURCE, adapter=VllmEngine,
+    signature=CONFIG.encode(), takes_pid=True,
+    declares=("with the vLLM plugin, each rank's ledger on its device (weights of each model, KV cache, CUDA "
+              "graphs, activations, the rest) and its other processes' host memory; without it, "
+              "`gpu_memory_utilization` x each GPU it uses (its budget); its KV cache usage"),
+    flags=("unaccounted memory on each device where it declares; with the vLLM plugin, weights outside its "
+           "budget (a draft loaded after its memory profile) and other processes' memory its profile run "
+           "charged to it"))

@@ -12,12 +12,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
 from exporter.engines.bounds import MAX_BYTES, MAX_LABEL, is_pid, shown
 from exporter.engines.fetch import HttpClient, WrongStatus, fetch
+from exporter.engines.kinds import EngineKind
+from exporter.engines.wrong_kind import other_kind_at
 from exporter.errors import ErrorLog
 from exporter.processes import TREE_MAX_AGE, HostPidResolver, Locator, NotFound, PortLocator
 
 log = logging.getLogger(__name__)
 
-KIND = "vramledger"
+NAME = "vramledger"
 SOURCE = "worker"
 
 
@@ -82,7 +84,7 @@ class VramledgerEngine:
     A ledger that cannot be read says why through NotServing: a 503 while the worker loads, no answer
     while it is down, anything but a ledger (a vLLM server, say) is wrong.
     """
-    kind, source = KIND, SOURCE
+    kind, source = NAME, SOURCE
 
     def __init__(self, url: str, client: HttpClient, errors: ErrorLog,
                  resolver: HostPidResolver | None = None, locator: Locator | None = None):
@@ -114,7 +116,7 @@ class VramledgerEngine:
         if pid is not None and behind is not None and pid not in behind:
             raise Wrong(f"{self.url}: its ledger claims pid {pid}, which is not behind its port (that is pid "
                         f"{', '.join(map(str, sorted(behind)[:8]))})")
-        info = EngineInfo(KIND, version, ledger.model)
+        info = EngineInfo(NAME, version, ledger.model)
         return EngineState(frozenset() if pid is None else frozenset([pid]), info, ledger.kv_usage,
                            declared_bytes=ledger.declared_bytes, claimed=behind is None)
 
@@ -138,24 +140,14 @@ class VramledgerEngine:
         try:
             response = fetch(self._client, self.url + "/v1/memory")
             return parse_ledger(self.url, response.json())
-        except WrongStatus as e:
-            raise self._vllm_instead() or e from None
+        except WrongStatus as e:  # no /v1/memory: another kind of engine, maybe
+            raise other_kind_at(self._client, self.url, KIND) or e from None
         except ValueError as e:  # invalid JSON or ledger
-            raise self._vllm_instead() or Wrong(f"{self.url}/v1/memory: not a ledger: {e}") from None
+            raise other_kind_at(self._client, self.url, KIND) or Wrong(
+                f"{self.url}/v1/memory: not a ledger: {e}") from None
 
     def close(self) -> None:
         pass
-
-    def _vllm_instead(self) -> Wrong | None:
-        """A vLLM server watched as a worker (it has no /v1/memory): the error names the right flag."""
-        try:
-            text = fetch(self._client, self.url + "/metrics").text
-        except Exception:  # noqa: BLE001 - only the hint is lost
-            return None
-        if "vllm:cache_config_info" not in text:
-            return None
-        return Wrong(f"{self.url} is a vLLM server, not a vramledger worker: watch it with --vllm {self.url} "
-                     "(in a cluster: pod label vramledger.io/engine: vllm)", wrong_kind=True)
 
     def _version(self, pid: int) -> str:
         # The ledger carries no version; the worker's own vramledger_serving_info does. A worker's
@@ -194,3 +186,15 @@ def _info_version(text: str) -> str:
             for sample in family.samples:
                 return sample.labels.get("version", "")
     return ""
+
+
+def _adapter(url: str, client: HttpClient, errors: ErrorLog, locator: Locator | None) -> VramledgerEngine:
+    return VramledgerEngine(url, client, errors, locator=locator)
+
+
+KIND = EngineKind(
+    name=NAME, flag="--worker", title="a vramledger worker", source=SOURCE, adapter=_adapter,
+    signature=b"vramledger_serving_info",  # its own /metrics' identity series (worker/http/metrics.py)
+    declares=("its ledger's total (`GET /v1/memory`): weights of each model, KV cache, activations and "
+              "every other byte its process holds; its KV cache usage"),
+    flags="unaccounted memory on its device; a ledger whose pid is not the process behind its port (`wrong`)")
