@@ -135,7 +135,7 @@ def main() -> None:
             worker_pid = procs[-1].pid
             modes: dict[str, list[str]] = {}
             if "fleet" in chosen:
-                fleet = ["--worker-timeout", "1"]
+                fleet = ["--engine-timeout", "1"]
                 for _ in range(FLEET):
                     fleet += ["--vllm", start_backend([PY, "tests/vllm_tree.py", str(RECORDED)], procs)]
                     fleet += ["--worker", start_backend([PY, "tests/ledger_worker.py", "--model-mib", "64"],

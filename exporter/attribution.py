@@ -12,7 +12,7 @@ from exporter.engines.base import EngineState
 from exporter.sources import DeviceMemory
 from vramledger.processes import ProcessMemory
 
-WORKER, FOREIGN = "worker", "foreign"
+ENGINE, FOREIGN = "engine", "foreign"  # vramledger_device_process_memory_bytes{owner}
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class ProcessRow:
     pid: str  # a pid, or "other" for the processes beyond --max-processes
     process: str
     owner: str
-    worker: str
+    engine: str  # the URL of the engine it belongs to; "" for a foreign process
     measure: str  # ProcessMemory.measure; for pid="other", each measure it sums, comma-separated
     bytes: int
 
@@ -38,9 +38,9 @@ class DeviceRow:
 
 
 @dataclass(frozen=True)
-class WorkerRow:
+class EngineRow:
     """What a device observes of one engine's processes, and how much of it the engine did not declare."""
-    worker: str
+    engine: str
     device: str
     observed: int
     unaccounted: int | None  # None where the engine declares nothing on this device
@@ -51,7 +51,7 @@ class Attribution:
     """Every joined row of one scrape, and each engine's declared total over the devices it uses."""
     processes: list[ProcessRow] = field(default_factory=list)
     devices: list[DeviceRow] = field(default_factory=list)
-    workers: list[WorkerRow] = field(default_factory=list)
+    engines: list[EngineRow] = field(default_factory=list)
     declared: dict[str, int] = field(default_factory=dict)
 
 
@@ -62,9 +62,9 @@ def unaccounted(observed: int, declared: int) -> int:
 
 def attribute(devices: Iterable[DeviceMemory], states: Mapping[str, EngineState],
               max_processes: int) -> Attribution:
-    """Classifies every device process as a worker's (its pid in an engine's pids) or foreign.
+    """Classifies every device process as an engine's (its pid in the engine's pids) or foreign.
 
-    Workers are always shown; foreign processes beyond max_processes are summed as pid="other".
+    Engines' processes are always shown; foreign processes beyond max_processes are summed as pid="other".
     An engine's processes on one device are observed together (vLLM's engine core and its ranks).
     No value is derived from a process whose usage is unknown: such a row, and the sum it would
     enter, are left out rather than guessed.
@@ -75,19 +75,19 @@ def attribute(devices: Iterable[DeviceMemory], states: Mapping[str, EngineState]
     for dev in devices:
         if dev.processes is None:
             continue
-        workers = [p for p in dev.processes if p.pid in owner]
+        engines = [p for p in dev.processes if p.pid in owner]
         foreign = [p for p in dev.processes if p.pid not in owner]
-        for url in dict.fromkeys(owner[p.pid] for p in workers):
+        for url in dict.fromkeys(owner[p.pid] for p in engines):
             used_on.setdefault(url, []).append(dev)
-            mine = [p for p in workers if owner[p.pid] == url]
-            out.processes.extend(ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, WORKER, url, p.measure,
+            mine = [p for p in engines if owner[p.pid] == url]
+            out.processes.extend(ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, ENGINE, url, p.measure,
                                             p.bytes) for p in mine if p.bytes is not None)
             observed = _sum(mine)
             if observed is not None:
                 declared = states[url].declared_on(dev)
-                out.workers.append(WorkerRow(url, dev.device, observed,
+                out.engines.append(EngineRow(url, dev.device, observed,
                                              None if declared is None else unaccounted(observed, declared)))
-        shown = sum(1 for p in workers if p.bytes is not None)
+        shown = sum(1 for p in engines if p.bytes is not None)
         out.processes.extend(_foreign_rows(dev, foreign, max(0, max_processes - shown)))
         out.devices.append(DeviceRow(dev.device, dev.uuid, _sum(foreign),
                                      _minus(dev.used, _sum(dev.processes))))

@@ -23,7 +23,7 @@ from exporter.sources import SourceUnavailable, open_source
 from vramledger.units import parse_size
 
 log = logging.getLogger("exporter")
-STARTUP_WAIT = 2.0  # seconds the first read may delay the start, whatever --worker-timeout
+STARTUP_WAIT = 2.0  # seconds the first read may delay the start, whatever --engine-timeout
 
 
 def _positive_int(text: str) -> int:
@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host reader: list processes holding at least this much (default 64MiB)")
     p.add_argument("--max-processes", type=_positive_int, default=32, metavar="N",
                    help="process series per device; smaller foreign ones are summed as pid=\"other\"")
-    p.add_argument("--worker-timeout", type=_positive_float, default=1.0, metavar="SECONDS",
-                   help="how long a scrape waits for the workers and vLLM servers, read all at once "
+    p.add_argument("--engine-timeout", type=_positive_float, default=1.0, metavar="SECONDS",
+                   help="how long a scrape waits for the engines, read all at once "
                         "(default 1.0); one that has not answered by then is unreachable for that scrape, and "
                         "each GET of an engine must be whole within it, connect to last byte")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               "(--backend auto falls back to the host reader)", file=sys.stderr)
         return 1
     try:
-        engines = Engines.open(given, args.worker_timeout, errors)
+        engines = Engines.open(given, args.engine_timeout, errors)
     except ValueError as e:
         print(f"exporter: {e}", file=sys.stderr)
         source.close()
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             engines.close()
             source.close()
             return 1
-    watched: EngineSet = engines if pods is None else DiscoveredEngines(pods, engines, args.worker_timeout, errors)
+    watched: EngineSet = engines if pods is None else DiscoveredEngines(pods, engines, args.engine_timeout, errors)
     registry = CollectorRegistry()
     registry.register(ExporterCollector(source, watched, errors, max_processes=args.max_processes, pods=pods))
     # Startup objects (imports, clients) never die: freezing them keeps full collections, and so
@@ -178,7 +178,7 @@ def refuse_wrong_kinds(engines: Engines) -> None:
 def run() -> None:
     """`python -m exporter` and the vramledger-exporter script: main(), then exit at once rather than
     after joining the engine readers' threads (one stuck on an engine that never answers would hold a
-    stopping exporter for its whole --worker-timeout)."""
+    stopping exporter for its whole --engine-timeout)."""
     code = main()
     logging.shutdown()
     sys.stdout.flush()

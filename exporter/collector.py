@@ -19,68 +19,70 @@ from exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
 from exporter.sources import DeviceMemory, Source
 
 DEVICE = ("device", "uuid")
-RANK = ("worker", "rank")  # a vLLM rank's ledger (the vLLM plugin); our worker serves its own, without these
+ENGINE = ("engine",)  # the engine's URL, as given or found
+RANK = ENGINE + ("rank",)  # a vLLM rank's ledger (the vLLM plugin); our worker serves its own, without these
 # name -> (help, labels); every gauge the exporter serves.
 GAUGES = {
     "vramledger_device_memory_total_bytes": ("Total memory of the device.", DEVICE),
     "vramledger_device_memory_used_bytes": ("Used memory of the device (host: total - available).", DEVICE),
     "vramledger_device_memory_reserved_bytes": ("Memory the driver reserves (NVML v2 only).", DEVICE),
     "vramledger_device_process_memory_bytes": (
-        ("Memory of one process on the device; pid=\"other\" sums those beyond --max-processes. measure: "
-         "nvml (NVML's used GPU memory), pss (host: proportional set size, shared pages split among "
-         "their sharers) or rss (host, where PSS cannot be read)."),
-        DEVICE + ("pid", "process", "owner", "worker", "measure")),
-    "vramledger_device_foreign_memory_bytes": ("Memory of the device's processes that are no watched worker.",
+        ("Memory of one process on the device, owned by a watched engine (engine: its URL) or foreign; "
+         "pid=\"other\" sums those beyond --max-processes. measure: nvml (NVML's used GPU memory), pss (host: "
+         "proportional set size, shared pages split among their sharers) or rss (host, where PSS cannot be "
+         "read)."),
+        DEVICE + ("pid", "process", "owner", "engine", "measure")),
+    "vramledger_device_foreign_memory_bytes": ("Memory of the device's processes that are no watched engine's.",
                                                DEVICE),
     "vramledger_device_unattributed_memory_bytes": (
         "Device used memory minus the memory of every process the reader can see.", DEVICE),
-    "vramledger_worker_up": (
-        "1 when the worker serves (its ledger read; vLLM: its /metrics read and its /health 200), else 0.",
-        ("worker",)),
-    "vramledger_worker_state": (
-        ("1 for the worker's state, 0 for the others: serving; loading (it answered 503, as while it "
-         "loads its model); unreachable (no whole answer within --worker-timeout, or a vLLM whose /health "
+    "vramledger_engine_up": (
+        ("1 when the engine serves (read as its kind: our worker's ledger; vLLM's /metrics, and its /health "
+         "200), else 0."), ENGINE),
+    "vramledger_engine_state": (
+        ("1 for the engine's state, 0 for the others: serving; loading (it answered 503, as while it "
+         "loads its model); unreachable (no whole answer within --engine-timeout, or a vLLM whose /health "
          "answers 503, its engine core dead; an answer begun but not finished is counted in "
          "vramledger_exporter_errors_total); wrong (an answer that is not this kind "
          "of engine's, a value beyond the exporter's bounds or a pid not behind its port, counted in "
-         "vramledger_exporter_errors_total)."), ("worker", "state")),
-    "vramledger_worker_info": ("The engine behind each worker URL: its kind, version and model.",
-                               ("worker", "engine", "version", "model")),
-    "vramledger_worker_kv_cache_usage_ratio": ("Fraction of the worker's KV cache in use.", ("worker",)),
-    "vramledger_worker_declared_memory_bytes": (
-        ("Memory the worker declares: its ledger's declared_bytes; for vLLM its ranks' ledgers (the vLLM "
-         "plugin), else gpu_memory_utilization x the total of each device it uses, summed."), ("worker",)),
-    "vramledger_worker_observed_memory_bytes": ("Memory the device observes for the worker's processes.",
-                                                ("worker", "device")),
-    "vramledger_worker_unaccounted_memory_bytes": (
-        "max(0, observed - declared) on a device: memory the worker holds but does not declare.",
-        ("worker", "device")),
-    "vramledger_worker_memory_bytes": (
+         "vramledger_exporter_errors_total)."), ENGINE + ("state",)),
+    "vramledger_engine_info": ("The engine behind each URL: its kind, version and model.",
+                               ENGINE + ("kind", "version", "model")),
+    "vramledger_engine_kv_cache_usage_ratio": ("Fraction of the engine's KV cache in use.", ENGINE),
+    "vramledger_engine_declared_memory_bytes": (
+        ("Memory the engine declares: our worker's ledger's declared_bytes; vLLM's ranks' ledgers (the vLLM "
+         "plugin), else gpu_memory_utilization x the total of each device it uses, summed."), ENGINE),
+    "vramledger_engine_observed_memory_bytes": ("Memory the device observes for the engine's processes.",
+                                                ENGINE + ("device",)),
+    "vramledger_engine_unaccounted_memory_bytes": (
+        "max(0, observed - declared) on a device: memory the engine holds but does not declare.",
+        ENGINE + ("device",)),
+    "vramledger_engine_memory_bytes": (
         ("Memory a vLLM rank's ledger declares, per component and model, from the vLLM plugin's "
          "/vramledger/memory (a vramledger worker serves its own ledger on its /metrics)."),
         RANK + ("component", "model")),
-    "vramledger_worker_process_declared_bytes": (
+    "vramledger_engine_process_declared_bytes": (
         ("Host memory a vLLM server's processes besides its ranks declare (the vLLM plugin's /vramledger/memory): "
          "what each held when the server became ready, summed per role (api_server, engine_core, other)."),
-        ("worker", "role")),
-    "vramledger_worker_memory_budget_bytes": (
+        ENGINE + ("role",)),
+    "vramledger_engine_memory_budget_bytes": (
         "The budget a vLLM rank sized its KV cache against (none when it was given a KV cache size).", RANK),
-    "vramledger_worker_weights_outside_budget_bytes": (
+    "vramledger_engine_weights_outside_budget_bytes": (
         ("Memory a model's weights hold outside the budget its vLLM rank sized against (0 when inside): a "
          "draft model loaded after the memory profile, so the KV cache took its share."), RANK + ("model",)),
-    "vramledger_worker_foreign_charged_bytes": (
+    "vramledger_engine_foreign_charged_bytes": (
         ("Other processes' memory a vLLM rank charged to itself at start-up: what its sizing charged its budget "
          "before the KV cache above its own process's memory (0 with own-process sizing)."),
         RANK),
-    "vramledger_worker_sizing_info": (
+    "vramledger_engine_sizing_info": (
         ("How a vLLM rank sized its KV cache: sizing is vllm (vLLM's arithmetic, from the device's free memory) "
          "or own-process (its own process's memory); fallback says why own-process was asked and vllm ran."),
         RANK + ("sizing", "fallback")),
-    "vramledger_worker_sizing_charge_bytes": (
+    "vramledger_engine_sizing_charge_bytes": (
         ("What each arithmetic charges a vLLM rank's budget before the KV cache: vllm, and own-process (absent "
-         "where NVML cannot see the rank's process); vramledger_worker_sizing_info says which ran."),
+         "where NVML cannot see the rank's process); vramledger_engine_sizing_info says which ran."),
         RANK + ("arithmetic",)),
-    "vramledger_worker_sizing_given_back_bytes": (
+    "vramledger_engine_sizing_given_back_bytes": (
         ("KV cache bytes a vLLM rank's sizing gave back against vLLM's arithmetic (vllm charge - charged; "
          "0 with vLLM's sizing)."), RANK),
 }
@@ -135,47 +137,47 @@ class ExporterCollector(Collector):
         self._add_devices(gauges, devices)
         self._add_attribution(gauges, joined, self._pod_labels)
         for url, reading in read.items():
-            gauges["vramledger_worker_up"].add_metric([url], int(reading.status is Status.SERVING))
+            gauges["vramledger_engine_up"].add_metric([url], int(reading.status is Status.SERVING))
             for status in Status:
-                gauges["vramledger_worker_state"].add_metric([url, status.value],
+                gauges["vramledger_engine_state"].add_metric([url, status.value],
                                                              int(reading.status is status))
             state = reading.state
             if state is None:
                 continue
             info = state.info
-            gauges["vramledger_worker_info"].add_metric([url, info.engine, info.version, info.model], 1)
+            gauges["vramledger_engine_info"].add_metric([url, info.kind, info.version, info.model], 1)
             if state.kv_usage is not None:
-                gauges["vramledger_worker_kv_cache_usage_ratio"].add_metric([url], state.kv_usage)
+                gauges["vramledger_engine_kv_cache_usage_ratio"].add_metric([url], state.kv_usage)
             if url in joined.declared:
-                gauges["vramledger_worker_declared_memory_bytes"].add_metric([url], joined.declared[url])
+                gauges["vramledger_engine_declared_memory_bytes"].add_metric([url], joined.declared[url])
             for rank in state.ranks:
                 self._add_rank(gauges, url, rank)
             by_role: dict[str, int] = {}
             for process in state.processes:
                 by_role[process.role] = by_role.get(process.role, 0) + process.bytes
             for role, size in by_role.items():
-                gauges["vramledger_worker_process_declared_bytes"].add_metric([url, role], size)
+                gauges["vramledger_engine_process_declared_bytes"].add_metric([url, role], size)
         return list(gauges.values())
 
     @staticmethod
     def _add_rank(gauges: dict[str, GaugeMetricFamily], url: str, rank: RankLedger) -> None:
         labels = [url, str(rank.rank)]
         for (component, model), size in rank.components().items():
-            gauges["vramledger_worker_memory_bytes"].add_metric(labels + [component, model], size)
+            gauges["vramledger_engine_memory_bytes"].add_metric(labels + [component, model], size)
         if rank.budget_bytes is not None:
-            gauges["vramledger_worker_memory_budget_bytes"].add_metric(labels, rank.budget_bytes)
+            gauges["vramledger_engine_memory_budget_bytes"].add_metric(labels, rank.budget_bytes)
         for model, size in rank.weights_outside_budget().items():
-            gauges["vramledger_worker_weights_outside_budget_bytes"].add_metric(labels + [model], size)
+            gauges["vramledger_engine_weights_outside_budget_bytes"].add_metric(labels + [model], size)
         if rank.foreign_charged_bytes is not None:
-            gauges["vramledger_worker_foreign_charged_bytes"].add_metric(labels, rank.foreign_charged_bytes)
+            gauges["vramledger_engine_foreign_charged_bytes"].add_metric(labels, rank.foreign_charged_bytes)
         sizing = rank.sizing
         if sizing is not None:
-            gauges["vramledger_worker_sizing_info"].add_metric(labels + [sizing.ran, sizing.fallback], 1)
+            gauges["vramledger_engine_sizing_info"].add_metric(labels + [sizing.ran, sizing.fallback], 1)
             charges: dict[str, int | None] = {"vllm": sizing.vllm_charged_bytes, "own-process": sizing.own_process_bytes}
             for arithmetic, charge in charges.items():
                 if charge is not None:
-                    gauges["vramledger_worker_sizing_charge_bytes"].add_metric(labels + [arithmetic], charge)
-            gauges["vramledger_worker_sizing_given_back_bytes"].add_metric(
+                    gauges["vramledger_engine_sizing_charge_bytes"].add_metric(labels + [arithmetic], charge)
+            gauges["vramledger_engine_sizing_given_back_bytes"].add_metric(
                 labels, sizing.vllm_charged_bytes - sizing.charged_bytes)
 
     def _guard(self, source: str, read, fallback):
@@ -204,7 +206,7 @@ class ExporterCollector(Collector):
     @staticmethod
     def _add_attribution(gauges: dict[str, GaugeMetricFamily], joined: Attribution, pod_labels) -> None:
         for p in joined.processes:
-            labels = [p.device, p.uuid, p.pid, p.process, p.owner, p.worker, p.measure, *pod_labels(p.pid)]
+            labels = [p.device, p.uuid, p.pid, p.process, p.owner, p.engine, p.measure, *pod_labels(p.pid)]
             gauges[PROCESS].add_metric(labels, p.bytes)
         for d in joined.devices:
             if d.foreign is not None:
@@ -212,15 +214,15 @@ class ExporterCollector(Collector):
             if d.unattributed is not None:
                 gauges["vramledger_device_unattributed_memory_bytes"].add_metric([d.device, d.uuid],
                                                                                  d.unattributed)
-        for w in joined.workers:
-            gauges["vramledger_worker_observed_memory_bytes"].add_metric([w.worker, w.device], w.observed)
-            if w.unaccounted is not None:
-                gauges["vramledger_worker_unaccounted_memory_bytes"].add_metric([w.worker, w.device],
-                                                                                w.unaccounted)
+        for e in joined.engines:
+            gauges["vramledger_engine_observed_memory_bytes"].add_metric([e.engine, e.device], e.observed)
+            if e.unaccounted is not None:
+                gauges["vramledger_engine_unaccounted_memory_bytes"].add_metric([e.engine, e.device],
+                                                                                e.unaccounted)
 
     def _errors_family(self) -> CounterMetricFamily:
         family = CounterMetricFamily(ERRORS, "Errors while reading a source: the device (nvml, host), an "
-                                     "engine that answers wrong or too slowly (worker, vllm), kubernetes, "
+                                     "engine that answers wrong or too slowly (its kind's source: worker, vllm, ...), kubernetes, "
                                      "the exporter itself.",
                                      labels=("source",))
         counts = dict.fromkeys(self._sources, 0) | self._errors.counts()

@@ -1,4 +1,4 @@
-"""Device readers: NVML on NVIDIA GPUs, the host (psutil) for CPU workers, behind one interface."""
+"""Device readers: NVML on NVIDIA GPUs, the host (psutil) for engines on the CPU, behind one interface."""
 from __future__ import annotations
 
 import importlib
@@ -154,7 +154,7 @@ class NvmlSource:
 
 
 class HostSource:
-    """Reads host memory and the processes above a size threshold (for CPU workers).
+    """Reads host memory and the processes above a size threshold (for engines on the CPU).
 
     A process's memory is its PSS where /proc/<pid>/smaps_rollup can be read (so that pages shared
     between processes count once in their sum), its RSS otherwise; each series says which

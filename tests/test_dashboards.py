@@ -23,11 +23,11 @@ from dashboard_queries import (
 from vramledger.ledger_vocabulary import WORKER_COMPONENTS
 
 PROVISIONING = ROOT / "dashboards" / "provisioning"
-INFO = {"vramledger_worker_info", "vramledger_serving_info"}
+INFO = {"vramledger_engine_info", "vramledger_serving_info"}
 DS_UIDS = ("${datasource}", "$datasource")
 UNIT_PANELS = {"timeseries", "stat", "gauge", "bargauge", "heatmap", "table"}
 REQUIRED_VARIABLES = {
-    "memory-ledger": {"datasource", "instance", "worker", "vllm", "device"},
+    "memory-ledger": {"datasource", "instance", "kind", "engine", "vllm", "device"},
     "serving": {"datasource", "instance", "device"},
 }
 # What each dashboard must show (issue 6), as the series it must query.
@@ -40,13 +40,13 @@ REQUIRED_SERIES = {
         "vramledger_kv_cache_blocks_cached", "vramledger_kv_cache_blocks_free",
         "vramledger_device_memory_used_bytes", "vramledger_device_memory_total_bytes",
         "vramledger_device_process_memory_bytes",
-        "vramledger_device_foreign_memory_bytes", "vramledger_worker_observed_memory_bytes",
-        "vramledger_worker_declared_memory_bytes", "vramledger_worker_unaccounted_memory_bytes",
-        "vramledger_worker_up", "vramledger_worker_info", "vramledger_worker_kv_cache_usage_ratio",
-        "vramledger_worker_weights_outside_budget_bytes", "vramledger_worker_foreign_charged_bytes",
-        "vramledger_worker_memory_bytes", "vramledger_worker_memory_budget_bytes",
-        "vramledger_worker_sizing_info", "vramledger_worker_sizing_charge_bytes",
-        "vramledger_worker_sizing_given_back_bytes", "vramledger_worker_process_declared_bytes",
+        "vramledger_device_foreign_memory_bytes", "vramledger_engine_observed_memory_bytes",
+        "vramledger_engine_declared_memory_bytes", "vramledger_engine_unaccounted_memory_bytes",
+        "vramledger_engine_up", "vramledger_engine_info", "vramledger_engine_kv_cache_usage_ratio",
+        "vramledger_engine_weights_outside_budget_bytes", "vramledger_engine_foreign_charged_bytes",
+        "vramledger_engine_memory_bytes", "vramledger_engine_memory_budget_bytes",
+        "vramledger_engine_sizing_info", "vramledger_engine_sizing_charge_bytes",
+        "vramledger_engine_sizing_given_back_bytes", "vramledger_engine_process_declared_bytes",
     },
     "serving": {
         "vramledger_requests_running", "vramledger_requests_waiting", "vramledger_prompt_tokens_total",
@@ -244,3 +244,22 @@ def test_datasource_provisioning():
 def test_dashboard_provisioning():
     providers = [p for doc in _provisioning("dashboards") for p in doc["providers"]]
     assert providers and all(p["type"] == "file" and p["options"]["path"] for p in providers)
+
+
+def test_the_engine_rows_repeat_per_kind_and_split_what_engines_declare():
+    """The exporter's per-engine panels work for every kind: their row repeats per $kind and each query
+    keeps only that kind's engines; observed memory is drawn against what is declared only for engines
+    that declare, and alone for those that declare nothing."""
+    panels = load_dashboard("memory-ledger")["panels"]
+    [start] = [i for i, p in enumerate(panels) if p.get("type") == "row" and p.get("repeat") == "kind"]
+    end = next(i for i in range(start + 1, len(panels)) if panels[i].get("type") == "row")
+    rows = panels[start + 1:end]
+    assert rows and all("$kind" in t["expr"] for p in rows for t in p["targets"]), "a query of every kind"
+    by_title = {p["title"]: [t["expr"] for t in p["targets"]] for p in rows}
+    observed = "vramledger_engine_observed_memory_bytes"
+    declaring = by_title["Declared vs observed memory (engines that declare)"]
+    assert any(observed in e and "and on (job, instance, engine) vramledger_engine_declared_memory_bytes" in e
+               for e in declaring)
+    assert any(metric_names(e) - INFO == {"vramledger_engine_declared_memory_bytes"} for e in declaring)
+    [alone] = by_title["Observed memory (engines that declare nothing)"]
+    assert observed in alone and "unless on (job, instance, engine) vramledger_engine_declared_memory_bytes" in alone

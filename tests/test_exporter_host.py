@@ -96,17 +96,17 @@ def test_worker_and_foreign_processes(spawn, tmp_path):
     samples = scrape(port)
     [mine] = find(samples, "vramledger_device_process_memory_bytes", pid=str(worker.pid))
     assert mine.labels == {"device": "host", "uuid": "", "pid": str(worker.pid),
-                           "process": psutil.Process(worker.pid).name(), "owner": "worker", "worker": url,
+                           "process": psutil.Process(worker.pid).name(), "owner": "engine", "engine": url,
                            "measure": "pss"}
     assert mine.value >= 64 * MiB
-    assert one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host") == mine.value
+    assert one(samples, "vramledger_engine_observed_memory_bytes", engine=url, device="host") == mine.value
     [theirs] = find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))
     assert theirs.labels == {"device": "host", "uuid": "", "pid": str(foreign.pid),
-                             "process": psutil.Process(foreign.pid).name(), "owner": "foreign", "worker": "",
+                             "process": psutil.Process(foreign.pid).name(), "owner": "foreign", "engine": "",
                              "measure": "pss"}
     assert theirs.value >= 512 * MiB
     assert one(samples, "vramledger_device_foreign_memory_bytes", device="host") >= theirs.value
-    assert one(samples, "vramledger_worker_up", worker=url) == 1
+    assert one(samples, "vramledger_engine_up", engine=url) == 1
     assert one(samples, "vramledger_exporter_collect_seconds_count") == 1
     assert one(samples, "vramledger_exporter_errors_total", source="host") == 0
 
@@ -125,24 +125,24 @@ def test_memory_held_outside_the_ledger_is_unaccounted(spawn, tmp_path):
     after = scrape(port)
 
     def unaccounted(samples):
-        return one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host")
+        return one(samples, "vramledger_engine_unaccounted_memory_bytes", engine=url, device="host")
 
     assert 0.9 * 256 * MiB <= unaccounted(after) - unaccounted(before) <= 1.1 * 256 * MiB
-    assert (one(after, "vramledger_worker_declared_memory_bytes", worker=url)
-            == one(before, "vramledger_worker_declared_memory_bytes", worker=url))
+    assert (one(after, "vramledger_engine_declared_memory_bytes", engine=url)
+            == one(before, "vramledger_engine_declared_memory_bytes", engine=url))
 
 
 def test_killed_worker_is_down_and_the_exporter_keeps_serving(spawn, tmp_path):
     worker, url = start_worker(spawn)
     exporter, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url,
-                                    "--worker-timeout", "0.5")
-    assert one(scrape(port), "vramledger_worker_up", worker=url) == 1
+                                    "--engine-timeout", "0.5")
+    assert one(scrape(port), "vramledger_engine_up", engine=url) == 1
     worker.kill()
     worker.wait(timeout=10)
     for _ in range(2):
         samples = scrape(port)
-        assert one(samples, "vramledger_worker_up", worker=url) == 0
-        assert find(samples, "vramledger_worker_declared_memory_bytes") == []
+        assert one(samples, "vramledger_engine_up", engine=url) == 0
+        assert find(samples, "vramledger_engine_declared_memory_bytes") == []
         assert find(samples, "vramledger_device_process_memory_bytes", pid=str(worker.pid)) == []
         assert one(samples, "vramledger_device_memory_total_bytes", device="host") > 0
     # Down is what worker_up says; it is not also an exporter error (one fault, one alert).
@@ -171,9 +171,9 @@ def test_worker_in_its_own_pid_namespace_is_matched_through_nspid(spawn, tmp_pat
     assert httpx.get(f"{url}/v1/memory", timeout=10).json()["worker"]["pid"] == 1
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url)
     samples = scrape(port)
-    [mine] = find(samples, "vramledger_device_process_memory_bytes", owner="worker")
-    assert (mine.labels["pid"], mine.labels["worker"]) == (str(worker.pid), url)
-    assert one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host") == mine.value
+    [mine] = find(samples, "vramledger_device_process_memory_bytes", owner="engine")
+    assert (mine.labels["pid"], mine.labels["engine"]) == (str(worker.pid), url)
+    assert one(samples, "vramledger_engine_observed_memory_bytes", engine=url, device="host") == mine.value
 
 
 def nvml_works() -> bool:

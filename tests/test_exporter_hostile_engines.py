@@ -237,9 +237,9 @@ def beside_a_worker(monkeypatch, make_engine) -> tuple[str, dict, dict, dict]:
 
 
 def assert_only_that_engine_is_wrong(url, values, errors, baseline, source):
-    theirs = {key: v for key, v in values.items() if ("worker", url) in key[1]}
-    assert theirs == {("vramledger_worker_up", (("worker", url),)): 0} | {
-        ("vramledger_worker_state", (("state", s), ("worker", url))): int(s == "wrong")
+    theirs = {key: v for key, v in values.items() if ("engine", url) in key[1]}
+    assert theirs == {("vramledger_engine_up", (("engine", url),)): 0} | {
+        ("vramledger_engine_state", (("engine", url), ("state", s))): int(s == "wrong")
         for s in ("serving", "loading", "unreachable", "wrong")}
     assert {key: v for key, v in values.items() if key not in theirs} == baseline  # the others' series intact
     assert errors[source] == 1
@@ -274,11 +274,11 @@ def test_the_exporter_process_answers_whatever_an_engine_declares(spawn, engine_
     hostile = engine_server({"/v1/memory": worker_ledger(lambda d: d.update(declared_bytes=10 ** 400))})
     _, worker_url = ledger_worker(spawn)
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", hostile,
-                             "--worker", worker_url, "--worker-timeout", "5")
+                             "--worker", worker_url, "--engine-timeout", "5")
     for scrape_number in range(1, 3):
         samples = scrape(port)  # 200: /metrics answered 500 when a float could not hold the value
-        assert one(samples, "vramledger_worker_up", worker=worker_url) == 1
-        assert find(samples, "vramledger_worker_state", worker=hostile, state="wrong")[0].value == 1
+        assert one(samples, "vramledger_engine_up", engine=worker_url) == 1
+        assert find(samples, "vramledger_engine_state", engine=hostile, state="wrong")[0].value == 1
         assert find(samples, "vramledger_device_memory_total_bytes", device="host")
         assert one(samples, "vramledger_exporter_errors_total", source="worker") >= scrape_number
 
@@ -348,7 +348,7 @@ def test_the_same_engines_within_bounds_serve(monkeypatch, engine_server):
     for make in (lambda errors: VramledgerEngine(worker, HttpClient(5), errors),
                  lambda errors: VllmEngine(vllm, HttpClient(5), errors, PortLocator(vllm))):
         url, values, errors, _ = beside_a_worker(monkeypatch, make)
-        assert values[("vramledger_worker_up", (("worker", url),))] == 1
+        assert values[("vramledger_engine_up", (("engine", url),))] == 1
         assert set(errors.values()) == {0}
 
 

@@ -37,10 +37,10 @@ def test_exporter_finds_the_workers_of_its_node_through_the_api(spawn, worker, t
         _, exporter_port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host",
                                           "--min-process-memory", "1MiB", "--kubernetes")
         samples = scrape(exporter_port)
-        assert one(samples, "vramledger_worker_up", worker=url) == 1
-        assert [s.labels["worker"] for s in find(samples, "vramledger_worker_up")] == [url]
+        assert one(samples, "vramledger_engine_up", engine=url) == 1
+        assert [s.labels["engine"] for s in find(samples, "vramledger_engine_up")] == [url]
         [mine] = find(samples, "vramledger_device_process_memory_bytes", pid=str(proc.pid))
-        assert mine.labels["owner"] == "worker" and mine.labels["worker"] == url
+        assert mine.labels["owner"] == "engine" and mine.labels["engine"] == url
         # This worker runs in no pod (no kubelet here): its pod labels are empty, not guessed.
         assert (mine.labels["namespace"], mine.labels["pod"], mine.labels["container"]) == ("", "", "")
         assert one(samples, "vramledger_exporter_errors_total", source="kubernetes") == 0

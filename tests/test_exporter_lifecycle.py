@@ -12,8 +12,8 @@ STATES = ("serving", "loading", "unreachable", "wrong")
 
 
 def state_of(samples, url: str) -> str:
-    [now] = [s.labels["state"] for s in find(samples, "vramledger_worker_state", worker=url) if s.value == 1]
-    assert sorted(s.labels["state"] for s in find(samples, "vramledger_worker_state", worker=url)) == sorted(
+    [now] = [s.labels["state"] for s in find(samples, "vramledger_engine_state", engine=url) if s.value == 1]
+    assert sorted(s.labels["state"] for s in find(samples, "vramledger_engine_state", engine=url)) == sorted(
         STATES)
     return now
 
@@ -43,15 +43,15 @@ def ledger_worker(spawn, *args: str):  # noqa: F811
 def test_a_worker_restarted_under_a_running_exporter(spawn, tmp_path):  # noqa: F811
     worker, url = ledger_worker(spawn)
     log = tmp_path / "exporter.log"
-    _, port = start_exporter(spawn, log, "--backend", "host", "--worker", url, "--worker-timeout", "0.5")
+    _, port = start_exporter(spawn, log, "--backend", "host", "--worker", url, "--engine-timeout", "0.5")
     seen: list[str] = []
     samples = watch_states(port, url, "serving", seen)
-    assert one(samples, "vramledger_worker_up", worker=url) == 1
+    assert one(samples, "vramledger_engine_up", engine=url) == 1
 
     worker.send_signal(signal.SIGKILL)
     worker.wait(timeout=10)
     samples = watch_states(port, url, "unreachable", seen)
-    assert one(samples, "vramledger_worker_up", worker=url) == 0
+    assert one(samples, "vramledger_engine_up", engine=url) == 0
     for _ in range(3):  # still down: no new line, no error
         watch_states(port, url, "unreachable", seen)
 

@@ -97,29 +97,29 @@ def device(dev, uuid, total, used, reserved=None, foreign=None, unattributed=Non
     return out
 
 
-def process(dev, uuid, pid, name, value, worker=""):
+def process(dev, uuid, pid, name, value, engine=""):
     return [m("device_process_memory_bytes", value, device=dev, uuid=uuid, pid=str(pid), process=name,
-              owner="worker" if worker else "foreign", worker=worker, measure="nvml")]
+              owner="engine" if engine else "foreign", engine=engine, measure="nvml")]
 
 
 def state(url: str, now: str) -> list:
-    """vramledger_worker_state: 1 for the engine's state, 0 for each other."""
-    return [m("worker_state", int(s.value == now), worker=url, state=s.value) for s in Status]
+    """vramledger_engine_state: 1 for the engine's state, 0 for each other."""
+    return [m("engine_state", int(s.value == now), engine=url, state=s.value) for s in Status]
 
 
-def worker(url, declared, up=1, observed=None, engine="vramledger", version="", model="", kv=None):
+def worker(url, declared, up=1, observed=None, kind="vramledger", version="", model="", kv=None):
     """A worker's series; declared None = declares nothing (then no unaccounted either)."""
-    out = [m("worker_up", up, worker=url), *state(url, "serving" if up else "unreachable")]
+    out = [m("engine_up", up, engine=url), *state(url, "serving" if up else "unreachable")]
     if up:
-        out.append(m("worker_info", 1, worker=url, engine=engine, version=version, model=model))
+        out.append(m("engine_info", 1, engine=url, kind=kind, version=version, model=model))
     if up and declared is not None:
-        out.append(m("worker_declared_memory_bytes", declared, worker=url))
+        out.append(m("engine_declared_memory_bytes", declared, engine=url))
     if up and kv is not None:
-        out.append(m("worker_kv_cache_usage_ratio", kv, worker=url))
+        out.append(m("engine_kv_cache_usage_ratio", kv, engine=url))
     for dev, value in (observed or {}).items():
-        out.append(m("worker_observed_memory_bytes", value, worker=url, device=dev))
+        out.append(m("engine_observed_memory_bytes", value, engine=url, device=dev))
         if declared is not None:
-            out.append(m("worker_unaccounted_memory_bytes", max(0, value - declared), worker=url, device=dev))
+            out.append(m("engine_unaccounted_memory_bytes", max(0, value - declared), engine=url, device=dev))
     return out
 
 
@@ -130,7 +130,7 @@ def test_foreign_process_beside_a_worker(monkeypatch):
     values, errors = scrape(registry)
     assert values == dict(device("0", "GPU-0", 80 * GiB, 30 * GiB, reserved=GiB // 2, foreign=8 * GiB,
                                  unattributed=2 * GiB)
-                          + process("0", "GPU-0", 4242, "python3", 20 * GiB, worker=WORKER)
+                          + process("0", "GPU-0", 4242, "python3", 20 * GiB, engine=WORKER)
                           + process("0", "GPU-0", 999, "trainer", 8 * GiB)
                           + worker(WORKER, 20 * GiB, observed={"0": 20 * GiB}))
     assert errors == NO_ERRORS
@@ -141,9 +141,9 @@ def test_worker_using_more_than_it_declares(monkeypatch):
     registry, _ = exporter(monkeypatch, [gpu], {WORKER: ledger_doc(4242, 20 * GiB)})
     values, errors = scrape(registry)
     assert values == dict(device("0", "GPU-0", 80 * GiB, 25 * GiB, reserved=0, foreign=0, unattributed=GiB)
-                          + process("0", "GPU-0", 4242, "python3", 24 * GiB, worker=WORKER)
+                          + process("0", "GPU-0", 4242, "python3", 24 * GiB, engine=WORKER)
                           + worker(WORKER, 20 * GiB, observed={"0": 24 * GiB}))
-    assert values[m("worker_unaccounted_memory_bytes", 0, worker=WORKER, device="0")[0]] == 4 * GiB
+    assert values[m("engine_unaccounted_memory_bytes", 0, engine=WORKER, device="0")[0]] == 4 * GiB
     assert errors == NO_ERRORS
 
 
@@ -163,7 +163,7 @@ def test_foreign_usage_unknown_leaves_the_worker_observed(monkeypatch):
     registry, _ = exporter(monkeypatch, [gpu], {WORKER: ledger_doc(4242, 20 * GiB)})
     values, _ = scrape(registry)
     assert values == dict(device("0", "GPU-0", 80 * GiB, 30 * GiB, reserved=0)
-                          + process("0", "GPU-0", 4242, "python3", 21 * GiB, worker=WORKER)
+                          + process("0", "GPU-0", 4242, "python3", 21 * GiB, engine=WORKER)
                           + worker(WORKER, 20 * GiB, observed={"0": 21 * GiB}))
 
 
@@ -176,7 +176,7 @@ def test_gpu_lost_between_scrapes(monkeypatch, caplog):
     values, errors = scrape(registry)
     assert values == dict(gpu0 + device("1", "GPU-1", 80 * GiB, 21 * GiB, reserved=0, foreign=0,
                                         unattributed=GiB)
-                          + process("1", "GPU-1", 4242, "python3", 20 * GiB, worker=WORKER)
+                          + process("1", "GPU-1", 4242, "python3", 20 * GiB, engine=WORKER)
                           + worker(WORKER, 20 * GiB, observed={"1": 20 * GiB}))
     assert errors == NO_ERRORS
 
@@ -224,7 +224,7 @@ def test_mig_instances_are_the_devices(monkeypatch):
     # The MIG parent is not a device of its own: its memory is the instances' memory.
     assert values == dict(
         device("0/0", "MIG-aaaa", 40 * GiB, 21 * GiB, reserved=0, foreign=0, unattributed=GiB)
-        + process("0/0", "MIG-aaaa", 4242, "python3", 20 * GiB, worker=WORKER)
+        + process("0/0", "MIG-aaaa", 4242, "python3", 20 * GiB, engine=WORKER)
         + device("0/2", "MIG-bbbb", 20 * GiB, 6 * GiB, reserved=0, foreign=5 * GiB, unattributed=GiB)
         + process("0/2", "MIG-bbbb", 999, "trainer", 5 * GiB)
         + device("1", "GPU-1", 80 * GiB, GiB, reserved=0, foreign=0, unattributed=GiB)
@@ -248,7 +248,7 @@ def test_driver_without_memory_v2_reports_no_reserved(monkeypatch):
     values, errors = scrape(registry)
     # v1 "used" includes the reserved memory, which the driver does not report apart.
     assert values == dict(device("0", "GPU-0", 80 * GiB, 30 * GiB, foreign=0, unattributed=10 * GiB)
-                          + process("0", "GPU-0", 4242, "python3", 20 * GiB, worker=WORKER)
+                          + process("0", "GPU-0", 4242, "python3", 20 * GiB, engine=WORKER)
                           + worker(WORKER, 20 * GiB, observed={"0": 20 * GiB}))
     assert errors == NO_ERRORS | {"nvml": 1}
     assert scrape(registry)[1] == NO_ERRORS | {"nvml": 1}  # known unsupported: not asked again
@@ -263,7 +263,7 @@ def test_exited_process_series_disappear(monkeypatch):
     values, _ = scrape(registry)
     assert values == dict(device("0", "GPU-0", 80 * GiB, 22 * GiB, reserved=0, foreign=0,
                                  unattributed=2 * GiB)
-                          + process("0", "GPU-0", 4242, "python3", 20 * GiB, worker=WORKER)
+                          + process("0", "GPU-0", 4242, "python3", 20 * GiB, engine=WORKER)
                           + worker(WORKER, 20 * GiB, observed={"0": 20 * GiB}))
 
 
@@ -274,7 +274,7 @@ def test_process_series_are_capped_per_device(monkeypatch):
     values, _ = scrape(registry)
     assert values == dict(device("0", "GPU-0", 80 * GiB, 40 * GiB, reserved=0, foreign=21 * GiB,
                                  unattributed=9 * GiB)
-                          + process("0", "GPU-0", 4242, "python3", 10 * GiB, worker=WORKER)
+                          + process("0", "GPU-0", 4242, "python3", 10 * GiB, engine=WORKER)
                           + process("0", "GPU-0", 1005, "job5", 6 * GiB)
                           + process("0", "GPU-0", 1004, "job4", 5 * GiB)
                           + process("0", "GPU-0", "other", "other", (1 + 2 + 3 + 4) * GiB)
@@ -294,7 +294,7 @@ def test_worker_down_and_worker_in_a_container(monkeypatch, tmp_path):
     values, errors = scrape(registry)
     assert values == dict(device("0", "GPU-0", 80 * GiB, 30 * GiB, reserved=0, foreign=9 * GiB,
                                  unattributed=GiB)
-                          + process("0", "GPU-0", 31337, "python3", 20 * GiB, worker=WORKER)
+                          + process("0", "GPU-0", 31337, "python3", 20 * GiB, engine=WORKER)
                           + process("0", "GPU-0", 555, "python3", 9 * GiB)
                           + worker(WORKER, 20 * GiB, observed={"0": 20 * GiB})
                           + worker(down, 0, up=0))

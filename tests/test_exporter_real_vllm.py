@@ -48,40 +48,40 @@ def test_real_vllm_beside_a_foreign_process_then_killed(spawn, vllm, tmp_path): 
     foreign = spawn([PY, "-c", HOLD, "768"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert read_line(foreign) == "ready"
     exporter, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--vllm", url,
-                                    "--worker-timeout", "5")
+                                    "--engine-timeout", "5")
     tree = [server.pid] + [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
     [core] = [p for p in psutil.Process(server.pid).children() if p.name() == "VLLM::EngineCore"]
 
     samples = scrape(port)
     [theirs] = find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))
-    assert theirs.labels["owner"] == "foreign" and theirs.labels["worker"] == "" and theirs.value >= 768 * MiB
+    assert theirs.labels["owner"] == "foreign" and theirs.labels["engine"] == "" and theirs.value >= 768 * MiB
     [engine_core] = find(samples, "vramledger_device_process_memory_bytes", pid=str(core.pid))
-    assert (engine_core.labels["owner"], engine_core.labels["worker"]) == ("worker", url)
-    mine = find(samples, "vramledger_device_process_memory_bytes", worker=url)
+    assert (engine_core.labels["owner"], engine_core.labels["engine"]) == ("engine", url)
+    mine = find(samples, "vramledger_device_process_memory_bytes", engine=url)
     assert {int(s.labels["pid"]) for s in mine} == set(tree)  # the API server and all its descendants
-    assert one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host") == sum(
+    assert one(samples, "vramledger_engine_observed_memory_bytes", engine=url, device="host") == sum(
         s.value for s in mine)
     # Its processes share libraries and more: counted once (PSS), they hold less than their RSS sum.
     assert {s.labels["measure"] for s in mine} == {"pss"}
     assert sum(s.value for s in mine) < sum(psutil.Process(pid).memory_info().rss for pid in tree)
-    assert one(samples, "vramledger_worker_up", worker=url) == 1
-    assert one(samples, "vramledger_worker_state", worker=url, state="serving") == 1
-    [info] = find(samples, "vramledger_worker_info", worker=url)
-    assert info.labels == {"worker": url, "engine": "vllm", "version": "0.32.0", "model": str(MODEL)}
-    assert 0 <= one(samples, "vramledger_worker_kv_cache_usage_ratio", worker=url) <= 1
+    assert one(samples, "vramledger_engine_up", engine=url) == 1
+    assert one(samples, "vramledger_engine_state", engine=url, state="serving") == 1
+    [info] = find(samples, "vramledger_engine_info", engine=url)
+    assert info.labels == {"engine": url, "kind": "vllm", "version": "0.32.0", "model": str(MODEL)}
+    assert 0 <= one(samples, "vramledger_engine_kv_cache_usage_ratio", engine=url) <= 1
     # vLLM's CPU backend sizes its KV cache explicitly: no budget, so nothing declared or unaccounted.
-    assert find(samples, "vramledger_worker_declared_memory_bytes") == []
-    assert find(samples, "vramledger_worker_unaccounted_memory_bytes") == []
+    assert find(samples, "vramledger_engine_declared_memory_bytes") == []
+    assert find(samples, "vramledger_engine_unaccounted_memory_bytes") == []
     assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0
 
     os.killpg(server.pid, signal.SIGKILL)
     server.wait(timeout=30)
     samples = scrape(port)
-    assert one(samples, "vramledger_worker_up", worker=url) == 0
-    assert one(samples, "vramledger_worker_state", worker=url, state="unreachable") == 1
-    assert find(samples, "vramledger_device_process_memory_bytes", worker=url) == []
-    assert find(samples, "vramledger_worker_observed_memory_bytes", worker=url) == []
-    assert find(samples, "vramledger_worker_info", worker=url) == []
+    assert one(samples, "vramledger_engine_up", engine=url) == 0
+    assert one(samples, "vramledger_engine_state", engine=url, state="unreachable") == 1
+    assert find(samples, "vramledger_device_process_memory_bytes", engine=url) == []
+    assert find(samples, "vramledger_engine_observed_memory_bytes", engine=url) == []
+    assert find(samples, "vramledger_engine_info", engine=url) == []
     assert len(find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))) == 1
     assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0  # down: its state says it
     assert exporter.poll() is None

@@ -33,9 +33,9 @@ def test_real_worker_beside_a_foreign_process(spawn, worker, tmp_path):  # noqa:
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url)
     samples = scrape(port)
     [mine] = find(samples, "vramledger_device_process_memory_bytes", pid=str(proc.pid))
-    assert mine.labels["owner"] == "worker" and mine.labels["worker"] == url
+    assert mine.labels["owner"] == "engine" and mine.labels["engine"] == url
     declared = httpx.get(url + "/v1/memory").json()["declared_bytes"]
-    assert one(samples, "vramledger_worker_declared_memory_bytes", worker=url) == declared
+    assert one(samples, "vramledger_engine_declared_memory_bytes", engine=url) == declared
     [theirs] = find(samples, "vramledger_device_process_memory_bytes", pid=str(foreign.pid))
     assert theirs.labels["owner"] == "foreign" and theirs.value >= 512 * MiB
     foreign.kill()
@@ -51,9 +51,9 @@ def test_memory_the_real_worker_holds_outside_its_ledger_is_unaccounted(spawn, w
     after = scrape(port)
 
     def value(samples, name: str) -> float:
-        return one(samples, f"vramledger_worker_{name}_memory_bytes", worker=url, device="host")
+        return one(samples, f"vramledger_engine_{name}_memory_bytes", engine=url, device="host")
 
-    declared = one(after, "vramledger_worker_declared_memory_bytes", worker=url)
+    declared = one(after, "vramledger_engine_declared_memory_bytes", engine=url)
     observed = value(after, "observed")
     assert observed == pytest.approx(read_pss(proc.pid), rel=0.02)  # PSS: its pages, shared ones split
     assert 0.9 * 256 * MiB <= observed - value(before, "observed") <= 1.1 * 256 * MiB
@@ -68,13 +68,13 @@ def test_memory_the_real_worker_holds_outside_its_ledger_is_unaccounted(spawn, w
 def test_killing_the_real_worker_marks_it_down(spawn, worker, tmp_path):  # noqa: F811
     proc, url = worker
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", url,
-                             "--worker-timeout", "0.5")
-    assert one(scrape(port), "vramledger_worker_up", worker=url) == 1
+                             "--engine-timeout", "0.5")
+    assert one(scrape(port), "vramledger_engine_up", engine=url) == 1
     proc.kill()
     proc.wait(timeout=10)
     samples = scrape(port)
-    assert one(samples, "vramledger_worker_up", worker=url) == 0
-    assert find(samples, "vramledger_worker_declared_memory_bytes") == []
+    assert one(samples, "vramledger_engine_up", engine=url) == 0
+    assert find(samples, "vramledger_engine_declared_memory_bytes") == []
 
 
 def test_a_real_worker_starting_under_the_exporter_is_loading_then_serving(spawn, checkpoints,  # noqa: F811
@@ -82,7 +82,7 @@ def test_a_real_worker_starting_under_the_exporter_is_loading_then_serving(spawn
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "exporter.log"
-    _, exporter_port = start_exporter(spawn, log, "--backend", "host", "--worker", url, "--worker-timeout",
+    _, exporter_port = start_exporter(spawn, log, "--backend", "host", "--worker", url, "--engine-timeout",
                                       "0.5")
     seen: list[str] = []
     watch_states(exporter_port, url, "unreachable", seen)

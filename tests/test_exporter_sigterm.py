@@ -12,7 +12,7 @@ import httpx
 import pytest
 from test_exporter_host import scrape, spawn, start_exporter  # noqa: F401
 
-PROMPT = 10.0  # seconds; a stuck scrape would hold the exporter for its 600 s --worker-timeout
+PROMPT = 10.0  # seconds; a stuck scrape would hold the exporter for its 600 s --engine-timeout
 
 
 def silent_listener() -> tuple[socket.socket, str]:
@@ -32,7 +32,7 @@ def test_idle_exporter_exits_0_on_sigterm(spawn, tmp_path):  # noqa: F811
 
 def test_exporter_exits_promptly_during_a_stuck_scrape(spawn, tmp_path):  # noqa: F811
     listeners = [silent_listener() for _ in range(2)]
-    args = ["--backend", "host", "--worker-timeout", "600"]
+    args = ["--backend", "host", "--engine-timeout", "600"]
     for _, url in listeners:
         args += ["--worker", url]
     proc, port = start_exporter(spawn, tmp_path / "exporter.log", *args)

@@ -26,7 +26,7 @@ def test_an_openai_base_url_means_its_server(spawn, tmp_path):  # noqa: F811
     log = tmp_path / "exporter.log"
     _, port = start_exporter(spawn, log, "--backend", "host", "--vllm", vllm + "/v1", "--worker", worker + "/v1/")
     samples = scrape(port)
-    assert {s.labels["worker"] for s in find(samples, "vramledger_worker_up")} == {vllm, worker}
+    assert {s.labels["engine"] for s in find(samples, "vramledger_engine_up")} == {vllm, worker}
     assert state_of(samples, vllm) == state_of(samples, worker) == "serving"
     assert f"{vllm}/v1 is an OpenAI API base URL: watching its server, {vllm}" in log.read_text()
 
@@ -83,11 +83,11 @@ def test_two_urls_of_one_server_give_one_warning_and_one_set_of_series(spawn, tm
     _, exporter_port = start_exporter(spawn, log, "--backend", "host", "--vllm", first, "--vllm", second)
     for _ in range(3):
         samples = scrape(exporter_port)
-        assert {s.labels["worker"] for s in find(samples, "vramledger_worker_up")} == {first}
+        assert {s.labels["engine"] for s in find(samples, "vramledger_engine_up")} == {first}
         assert {int(s.labels["pid"]) for s in find(samples, "vramledger_device_process_memory_bytes",
-                                                   owner="worker")} == {api, core, rank}
-        assert {s.labels["worker"] for s in find(samples, "vramledger_device_process_memory_bytes",
-                                                 owner="worker")} == {first}
+                                                   owner="engine")} == {api, core, rank}
+        assert {s.labels["engine"] for s in find(samples, "vramledger_device_process_memory_bytes",
+                                                 owner="engine")} == {first}
         assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0
     warnings = [line for line in log.read_text().splitlines() if " WARNING " in line]
     assert len(warnings) == 1, warnings

@@ -180,7 +180,7 @@ def test_a_hidden_process_is_an_error_and_an_explicit_pid_the_way_out(spawn, tmp
     with caplog.at_level(logging.WARNING):
         states = [remote.read(), remote.read()]
     assert [s.pids for s in states] == [frozenset(), frozenset()]
-    assert states[0].info.engine == "vllm" and states[0].info.version == "0.32.0"
+    assert states[0].info.kind == "vllm" and states[0].info.version == "0.32.0"
     assert errors.counts() == {"vllm": 2}
     warnings = [r.getMessage() for r in caplog.records if r.name == "exporter.errors"]
     assert len(warnings) == 1 and "--vllm URL=PID" in warnings[0]
@@ -221,32 +221,32 @@ def test_tensor_parallel_2_a_rank_over_budget_a_foreign_process(monkeypatch, spa
     assert budget == -(-9 * 80 * GiB // 10)
     expected = dict(
         device("0", "GPU-0", 80 * GiB, 75 * GiB, reserved=0, foreign=0, unattributed=GiB)
-        + process("0", "GPU-0", rank0, "VLLM::Worker_TP0", 74 * GiB, worker=url)
+        + process("0", "GPU-0", rank0, "VLLM::Worker_TP0", 74 * GiB, engine=url)
         + device("1", "GPU-1", 80 * GiB, 80 * GiB - GiB // 2, reserved=GiB // 4, foreign=int(5.5 * GiB),
                  unattributed=GiB // 2)
-        + process("1", "GPU-1", rank1, "VLLM::Worker_TP1", 70 * GiB, worker=url)
+        + process("1", "GPU-1", rank1, "VLLM::Worker_TP1", 70 * GiB, engine=url)
         + process("1", "GPU-1", 999, "trainer", int(5.5 * GiB))
-        + process("1", "GPU-1", 4242, "python3", int(3.5 * GiB), worker=ours)
+        + process("1", "GPU-1", 4242, "python3", int(3.5 * GiB), engine=ours)
         + worker(ours, 3 * GiB, observed={"1": int(3.5 * GiB)})
         + state(url, "serving")
-        + [m("worker_up", 1, worker=url),
-           m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
-           m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
-           m("worker_declared_memory_bytes", 2 * budget, worker=url),
-           m("worker_observed_memory_bytes", 74 * GiB, worker=url, device="0"),
-           m("worker_unaccounted_memory_bytes", 74 * GiB - budget, worker=url, device="0"),
-           m("worker_observed_memory_bytes", 70 * GiB, worker=url, device="1"),
-           m("worker_unaccounted_memory_bytes", 0, worker=url, device="1")])
+        + [m("engine_up", 1, engine=url),
+           m("engine_info", 1, engine=url, kind="vllm", version="0.32.0", model=MODEL),
+           m("engine_kv_cache_usage_ratio", 0.4375, engine=url),
+           m("engine_declared_memory_bytes", 2 * budget, engine=url),
+           m("engine_observed_memory_bytes", 74 * GiB, engine=url, device="0"),
+           m("engine_unaccounted_memory_bytes", 74 * GiB - budget, engine=url, device="0"),
+           m("engine_observed_memory_bytes", 70 * GiB, engine=url, device="1"),
+           m("engine_unaccounted_memory_bytes", 0, engine=url, device="1")])
     values, errors = scrape(registry)
     assert values == expected
-    assert values[m("worker_unaccounted_memory_bytes", 0, worker=url, device="0")[0]] == 2 * GiB
+    assert values[m("engine_unaccounted_memory_bytes", 0, engine=url, device="0")[0]] == 2 * GiB
     assert errors == NO_ERRORS | {"vllm": 0}
 
     # The engine core starts holding memory on GPU 0 too: one observation per device, summed.
     gpus[0].processes.append(proc(core, "VLLM::EngineCore", 0.5))
     values, _ = scrape(registry)
-    assert values[m("worker_observed_memory_bytes", 0, worker=url, device="0")[0]] == 74.5 * GiB
-    assert values[m("worker_unaccounted_memory_bytes", 0, worker=url, device="0")[0]] == 74.5 * GiB - budget
+    assert values[m("engine_observed_memory_bytes", 0, engine=url, device="0")[0]] == 74.5 * GiB
+    assert values[m("engine_unaccounted_memory_bytes", 0, engine=url, device="0")[0]] == 74.5 * GiB - budget
     client.close()
 
 
@@ -259,12 +259,12 @@ def test_an_explicit_kv_size_declares_nothing_but_attributes(monkeypatch, spawn,
     values, errors = scrape(registry)
     assert values == dict(
         device("0", "GPU-0", 80 * GiB, 31 * GiB, reserved=0, foreign=0, unattributed=GiB)
-        + process("0", "GPU-0", rank, "VLLM::Worker", 30 * GiB, worker=url)
+        + process("0", "GPU-0", rank, "VLLM::Worker", 30 * GiB, engine=url)
         + state(url, "serving")
-        + [m("worker_up", 1, worker=url),
-           m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
-           m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
-           m("worker_observed_memory_bytes", 30 * GiB, worker=url, device="0")]
+        + [m("engine_up", 1, engine=url),
+           m("engine_info", 1, engine=url, kind="vllm", version="0.32.0", model=MODEL),
+           m("engine_kv_cache_usage_ratio", 0.4375, engine=url),
+           m("engine_observed_memory_bytes", 30 * GiB, engine=url, device="0")]
         + state(url, "serving"))
     assert errors == NO_ERRORS | {"vllm": 0}
     client.close()

@@ -146,24 +146,24 @@ def test_the_servers_other_processes_declare_on_the_host_only():
 def test_a_cpu_vllm_with_the_plugin_declares_its_ledger_on_the_host(spawn, tmp_path):  # noqa: F811
     *_, url = start_tree(spawn, SPEC_RECORDED.read_text(), tmp_path, ledger=CPU_LEDGER)
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--vllm", url,
-                             "--worker-timeout", "5")
+                             "--engine-timeout", "5")
     samples = scrape(port)
     entries = load(CPU_LEDGER)["ranks"][0]["entries"]
     published = {(s.labels["component"], s.labels["model"]): s.value
-                 for s in find(samples, "vramledger_worker_memory_bytes", worker=url, rank="0")}
+                 for s in find(samples, "vramledger_engine_memory_bytes", engine=url, rank="0")}
     assert published == {(e["component"], e["model"]): e["bytes"] for e in entries}
     # Without the plugin nothing is declared here (vLLM was given its KV cache size): now its ledger is,
     # with what its API server, resource tracker and engine core held when it became ready.
-    declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
+    declared = one(samples, "vramledger_engine_declared_memory_bytes", engine=url)
     assert declared == 1632060560 + 507550720 + 6781952 + 489629696
-    assert {s.labels["role"]: s.value for s in find(samples, "vramledger_worker_process_declared_bytes",
-                                                     worker=url)} == {"api_server": 507550720, "other": 6781952,
+    assert {s.labels["role"]: s.value for s in find(samples, "vramledger_engine_process_declared_bytes",
+                                                     engine=url)} == {"api_server": 507550720, "other": 6781952,
                                                                       "engine_core": 489629696}
-    observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
-    assert one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host") == max(
+    observed = one(samples, "vramledger_engine_observed_memory_bytes", engine=url, device="host")
+    assert one(samples, "vramledger_engine_unaccounted_memory_bytes", engine=url, device="host") == max(
         0, observed - declared)
-    for name in ("vramledger_worker_memory_budget_bytes", "vramledger_worker_weights_outside_budget_bytes",
-                 "vramledger_worker_foreign_charged_bytes"):
+    for name in ("vramledger_engine_memory_budget_bytes", "vramledger_engine_weights_outside_budget_bytes",
+                 "vramledger_engine_foreign_charged_bytes"):
         assert find(samples, name) == []  # no budget, no profile run: nothing to warn about
     assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0
 
@@ -184,35 +184,35 @@ def test_cuda_ranks_declare_on_their_gpu_and_warn(monkeypatch, spawn, tmp_path):
     declared_a, declared_b = 2462056448, 2464153600  # the ranks' ledgers, not 0.9 x 80 GiB
     expected = dict(
         device("0", "GPU-fake", 80 * GiB, 6 * GiB, reserved=0, foreign=0, unattributed=GiB // 2)
-        + process("0", "GPU-fake", rank_a, "VLLM::Worker", int(2.5 * GiB), worker=url_a)
-        + process("0", "GPU-fake", rank_b, "VLLM::Worker", 3 * GiB, worker=url_b))
+        + process("0", "GPU-fake", rank_a, "VLLM::Worker", int(2.5 * GiB), engine=url_a)
+        + process("0", "GPU-fake", rank_b, "VLLM::Worker", 3 * GiB, engine=url_b))
     for url, path, declared, held in ((url_a, NEIGHBOUR, declared_a, int(2.5 * GiB)),
                                       (url_b, DRAFT_AFTER_PROFILE, declared_b, 3 * GiB)):
         rank = load(path)["ranks"][0]
         expected.update(state(url, "serving") + [
-            m("worker_up", 1, worker=url),
-            m("worker_info", 1, worker=url, engine="vllm", version="0.32.0", model=MODEL),
-            m("worker_kv_cache_usage_ratio", 0.4375, worker=url),
-            m("worker_declared_memory_bytes", declared, worker=url),
-            m("worker_observed_memory_bytes", held, worker=url, device="0"),
-            m("worker_unaccounted_memory_bytes", held - declared, worker=url, device="0"),
-            m("worker_memory_budget_bytes", 2 * GiB, worker=url, rank="0")]
-            + [m("worker_memory_bytes", e["bytes"], worker=url, rank="0", component=e["component"], model=e["model"])
+            m("engine_up", 1, engine=url),
+            m("engine_info", 1, engine=url, kind="vllm", version="0.32.0", model=MODEL),
+            m("engine_kv_cache_usage_ratio", 0.4375, engine=url),
+            m("engine_declared_memory_bytes", declared, engine=url),
+            m("engine_observed_memory_bytes", held, engine=url, device="0"),
+            m("engine_unaccounted_memory_bytes", held - declared, engine=url, device="0"),
+            m("engine_memory_budget_bytes", 2 * GiB, engine=url, rank="0")]
+            + [m("engine_memory_bytes", e["bytes"], engine=url, rank="0", component=e["component"], model=e["model"])
                for e in rank["entries"]])
-    expected.update([m("worker_weights_outside_budget_bytes", 0, worker=url_a, rank="0", model="target"),
-                     m("worker_weights_outside_budget_bytes", 0, worker=url_a, rank="0", model="draft"),
-                     m("worker_foreign_charged_bytes", 256 * MiB, worker=url_a, rank="0"),
-                     m("worker_weights_outside_budget_bytes", 0, worker=url_b, rank="0", model="target"),
-                     m("worker_weights_outside_budget_bytes", 2 * MiB, worker=url_b, rank="0", model="draft"),
-                     m("worker_foreign_charged_bytes", 0, worker=url_b, rank="0")])
+    expected.update([m("engine_weights_outside_budget_bytes", 0, engine=url_a, rank="0", model="target"),
+                     m("engine_weights_outside_budget_bytes", 0, engine=url_a, rank="0", model="draft"),
+                     m("engine_foreign_charged_bytes", 256 * MiB, engine=url_a, rank="0"),
+                     m("engine_weights_outside_budget_bytes", 0, engine=url_b, rank="0", model="target"),
+                     m("engine_weights_outside_budget_bytes", 2 * MiB, engine=url_b, rank="0", model="draft"),
+                     m("engine_foreign_charged_bytes", 0, engine=url_b, rank="0")])
     for url, path in ((url_a, NEIGHBOUR), (url_b, DRAFT_AFTER_PROFILE)):  # both sized by vLLM's arithmetic
         sizing = load(path)["ranks"][0]["sizing"]
-        expected.update([m("worker_sizing_info", 1, worker=url, rank="0", sizing="vllm", fallback=""),
-                         m("worker_sizing_charge_bytes", sizing["vllm_charged_bytes"], worker=url, rank="0",
+        expected.update([m("engine_sizing_info", 1, engine=url, rank="0", sizing="vllm", fallback=""),
+                         m("engine_sizing_charge_bytes", sizing["vllm_charged_bytes"], engine=url, rank="0",
                            arithmetic="vllm"),
-                         m("worker_sizing_charge_bytes", sizing["own_process_bytes"], worker=url, rank="0",
+                         m("engine_sizing_charge_bytes", sizing["own_process_bytes"], engine=url, rank="0",
                            arithmetic="own-process"),
-                         m("worker_sizing_given_back_bytes", 0, worker=url, rank="0")])
+                         m("engine_sizing_given_back_bytes", 0, engine=url, rank="0")])
     assert values == expected
     assert errors == NO_ERRORS | {"vllm": 0}
     client.close()

@@ -114,16 +114,16 @@ def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
                 values = {(s.name, tuple(s.labels.values())): s.value
                           for family in registry.collect() for s in family.samples}
                 assert time.perf_counter() - start < 1.5  # the slow worker is cut at its timeout, in parallel
-                assert {url: values[("vramledger_worker_up", (url,))] for url in urls} == {
+                assert {url: values[("vramledger_engine_up", (url,))] for url in urls} == {
                     url: 1.0 if url.endswith("/good") else 0.0 for url in urls}
                 assert {labels[0]: labels[1] for (name, labels), v in values.items()
-                        if name == "vramledger_worker_state" and v == 1} == expected
-                assert [url for url in urls if ("vramledger_worker_declared_memory_bytes", (url,)) in values] == [
+                        if name == "vramledger_engine_state" and v == 1} == expected
+                assert [url for url in urls if ("vramledger_engine_declared_memory_bytes", (url,)) in values] == [
                     urls[0]]
-                assert values[("vramledger_worker_declared_memory_bytes", (urls[0],))] == 70267093696
-                assert [labels for name, labels in values if name == "vramledger_worker_info"] == [
+                assert values[("vramledger_engine_declared_memory_bytes", (urls[0],))] == 70267093696
+                assert [labels for name, labels in values if name == "vramledger_engine_info"] == [
                     (urls[0], "vramledger", "9.8.7", "/models/target")]
-                assert values[("vramledger_worker_kv_cache_usage_ratio", (urls[0],))] == 12 / 57220
+                assert values[("vramledger_engine_kv_cache_usage_ratio", (urls[0],))] == 12 / 57220
         # Wrong answers counted on every scrape (garbage, shape, error); down and slow are not errors...
         assert values[("vramledger_exporter_errors_total", ("worker",))] == 3 * 3
         # ...and each engine's state logged once, on one line, whatever the number of scrapes.
@@ -178,10 +178,10 @@ def test_cli_flags():
     args = build_parser().parse_args(["--worker", "http://a:8000", "--worker", "http://b:8000",
                                       "--host", "0.0.0.0", "--port", "9500", "--backend", "nvml",
                                       "--min-process-memory", "128MiB", "--max-processes", "8",
-                                      "--worker-timeout", "0.5"])
+                                      "--engine-timeout", "0.5"])
     assert (args.worker, args.host, args.port, args.backend) == (["http://a:8000", "http://b:8000"],
                                                                  "0.0.0.0", 9500, "nvml")
-    assert (args.min_process_memory, args.max_processes, args.worker_timeout) == (128 << 20, 8, 0.5)
+    assert (args.min_process_memory, args.max_processes, args.engine_timeout) == (128 << 20, 8, 0.5)
     defaults = build_parser().parse_args([])
     assert (defaults.worker, defaults.host, defaults.port, defaults.backend) == ([], "127.0.0.1", 9400,
                                                                                  "auto")

@@ -82,7 +82,7 @@ def test_a_live_worker_and_exporter_publish_the_catalogue(worker, spawn, tmp_pat
     [serving] = [s for f in text_string_to_metric_families(worker_text) for s in f.samples
                  if s.name == "vramledger_serving_info"]
     [info] = [s for f in text_string_to_metric_families(exporter_text) for s in f.samples
-              if s.name == "vramledger_worker_info"]
+              if s.name == "vramledger_engine_info"]
     assert info.labels["version"] == serving.labels["version"] != ""
 
 

@@ -1,9 +1,10 @@
 """The whole stack for real: worker, exporter and Prometheus on loopback, every dashboard
 query and rule evaluated by Prometheus, and the foreign-memory alert made to fire.
 
-The exporter also watches two vLLM-shaped servers (tests/vllm_tree.py: real process trees serving a
-recorded /metrics and a ledger recorded from the vLLM plugin), one per kind of rank: vLLM's CPU
-build, and vLLM's CUDA worker whose profile run counted a neighbour's memory as its own."""
+The exporter also watches three vLLM-shaped servers (tests/vllm_tree.py: real process trees serving a
+recorded /metrics and, for two, a ledger recorded from the vLLM plugin), one per kind of rank: vLLM's
+CPU build, and vLLM's CUDA worker whose profile run counted a neighbour's memory as its own; the third,
+vLLM's CPU build without the plugin, declares nothing (the dashboards draw it observed only)."""
 from __future__ import annotations
 
 import subprocess
@@ -28,7 +29,8 @@ MAY_BE_ABSENT = {"vramledger_device_memory_reserved_bytes"}
 GiB = 1 << 30
 DATA = Path(__file__).parent / "data"
 VLLM_SERVERS = (("vllm_spec_metrics.txt", "vllm_ledger.json"),
-                ("vllm_spec_metrics.txt", "vllm_ledger_cuda_neighbour.json"))
+                ("vllm_spec_metrics.txt", "vllm_ledger_cuda_neighbour.json"),
+                ("vllm_metrics.txt", None))  # an explicit KV cache size and no plugin: no declaration
 
 
 def foreign_floor() -> int:
@@ -42,8 +44,9 @@ def foreign_floor() -> int:
 def vllm_servers():
     """The vLLM-shaped trees' URLs; each tree exits when its stdin closes."""
     tree = Path(__file__).parent / "vllm_tree.py"
-    trees = [subprocess.Popen([sys.executable, str(tree), str(DATA / metrics), "--ledger",
-                               str(DATA / ledger)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    trees = [subprocess.Popen([sys.executable, str(tree), str(DATA / metrics),
+                               *(("--ledger", str(DATA / ledger)) if ledger else ())],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for metrics, ledger in VLLM_SERVERS]
     try:
         yield [f"http://127.0.0.1:{tree.stdout.readline().split()[1]}" for tree in trees]

@@ -159,20 +159,20 @@ def test_the_exporter_publishes_the_ledger_and_declares_it(with_plugin, spawn, t
     doc = httpx.get(url + "/vramledger/memory", timeout=30).json()
     [rank] = doc["ranks"]
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--vllm", url,
-                             "--worker-timeout", "10")
+                             "--engine-timeout", "10")
     samples = scrape(port)
     published = {(s.labels["component"], s.labels["model"]): s.value
-                 for s in find(samples, "vramledger_worker_memory_bytes", worker=url, rank="0")}
+                 for s in find(samples, "vramledger_engine_memory_bytes", engine=url, rank="0")}
     assert published == {(e["component"], e["model"]): e["bytes"] for e in rank["entries"]}
     # Given its KV cache size, vLLM's CPU build has no budget; its ledger is what it declares, with what
     # its other processes (the API server, the engine core) held when it became ready.
-    declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
+    declared = one(samples, "vramledger_engine_declared_memory_bytes", engine=url)
     assert declared == rank["declared_bytes"] + sum(p["bytes"] for p in doc["processes"])
-    observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
-    assert one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host") == max(
+    observed = one(samples, "vramledger_engine_observed_memory_bytes", engine=url, device="host")
+    assert one(samples, "vramledger_engine_unaccounted_memory_bytes", engine=url, device="host") == max(
         0, observed - declared)
-    for name in ("vramledger_worker_memory_budget_bytes", "vramledger_worker_weights_outside_budget_bytes",
-                 "vramledger_worker_foreign_charged_bytes"):
+    for name in ("vramledger_engine_memory_budget_bytes", "vramledger_engine_weights_outside_budget_bytes",
+                 "vramledger_engine_foreign_charged_bytes"):
         assert find(samples, name) == []
     assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0
 

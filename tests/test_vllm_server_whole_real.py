@@ -81,10 +81,10 @@ def promtool_cases(path: Path, samples: list, url: str, without_processes: tuple
     without its processes' declarations (declared, unaccounted) does return that server."""
     series = [{"series": s.name + label_text(s.labels | SCRAPED), "values": f"{s.value!r}x20"} for s in samples]
     declared, unaccounted = without_processes
-    before = [{"series": "vramledger_worker_declared_memory_bytes" + label_text({"worker": url} | SCRAPED),
+    before = [{"series": "vramledger_engine_declared_memory_bytes" + label_text({"engine": url} | SCRAPED),
                "values": f"{declared!r}x20"},
-              {"series": "vramledger_worker_unaccounted_memory_bytes"
-               + label_text({"worker": url, "device": "host"} | SCRAPED), "values": f"{unaccounted!r}x20"}]
+              {"series": "vramledger_engine_unaccounted_memory_bytes"
+               + label_text({"engine": url, "device": "host"} | SCRAPED), "values": f"{unaccounted!r}x20"}]
     external = {"runbook_base_url": "https://runbooks.example.com/vramledger"}
     path.write_text(yaml.safe_dump({
         "rule_files": [str(p) for p in RULE_FILES], "evaluation_interval": "1m",
@@ -94,8 +94,8 @@ def promtool_cases(path: Path, samples: list, url: str, without_processes: tuple
                                  for name in ALERT_RULES]},
             {"interval": "1m", "external_labels": external, "input_series": before,
              "promql_expr_test": [{"expr": ALERT_RULES[UNACCOUNTED]["expr"], "eval_time": "15m", "exp_samples": [
-                 {"labels": "vramledger_worker_unaccounted_memory_bytes"
-                  + label_text({"worker": url, "device": "host"} | SCRAPED), "value": unaccounted}]}]}]}))
+                 {"labels": "vramledger_engine_unaccounted_memory_bytes"
+                  + label_text({"engine": url, "device": "host"} | SCRAPED), "value": unaccounted}]}]}]}))
 
 
 def test_no_alert_fires_on_a_healthy_server_with_the_plugin(server, spawn, tmp_path):  # noqa: F811
@@ -120,17 +120,17 @@ def test_no_alert_fires_on_a_healthy_server_with_the_plugin(server, spawn, tmp_p
 
     # --min-process-memory: only the server's processes are listed on this shared host (no foreign ones).
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--vllm", url,
-                             "--worker-timeout", "10", "--min-process-memory", str(1 << 40))
+                             "--engine-timeout", "10", "--min-process-memory", str(1 << 40))
     samples = scrape(port)
-    declared = one(samples, "vramledger_worker_declared_memory_bytes", worker=url)
+    declared = one(samples, "vramledger_engine_declared_memory_bytes", engine=url)
     at_ready = sum(p["bytes"] for p in processes.values())
     assert declared == rank["declared_bytes"] + at_ready
     by_role = {s.labels["role"]: s.value
-               for s in find(samples, "vramledger_worker_process_declared_bytes", worker=url)}
+               for s in find(samples, "vramledger_engine_process_declared_bytes", engine=url)}
     assert by_role["api_server"] == processes[api.pid]["bytes"]
     assert by_role["engine_core"] == processes[core.pid]["bytes"]
-    observed = one(samples, "vramledger_worker_observed_memory_bytes", worker=url, device="host")
-    unaccounted = one(samples, "vramledger_worker_unaccounted_memory_bytes", worker=url, device="host")
+    observed = one(samples, "vramledger_engine_observed_memory_bytes", engine=url, device="host")
+    unaccounted = one(samples, "vramledger_engine_unaccounted_memory_bytes", engine=url, device="host")
     assert unaccounted == max(0, observed - declared)
     # What is left unaccounted is what the processes grew by since they declared (the rank since it
     # measured its runtime, the others since the server was ready), as the plugin read it just before.
@@ -151,8 +151,8 @@ def test_no_alert_fires_on_a_healthy_server_with_the_plugin(server, spawn, tmp_p
 def test_a_dead_engine_core_is_not_serving(server, spawn, tmp_path):  # noqa: F811
     api, url, _ = server
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--vllm", url,
-                             "--worker-timeout", "10")
-    assert one(scrape(port), "vramledger_worker_state", worker=url, state="serving") == 1
+                             "--engine-timeout", "10")
+    assert one(scrape(port), "vramledger_engine_state", engine=url, state="serving") == 1
     [core] = [p for p in psutil.Process(api.pid).children() if p.name().startswith("VLLM::EngineCore")]
     os.kill(core.pid, signal.SIGKILL)
     core.wait(timeout=30)
@@ -160,8 +160,8 @@ def test_a_dead_engine_core_is_not_serving(server, spawn, tmp_path):  # noqa: F8
     assert httpx.get(url + "/metrics", timeout=10).status_code == 200
     assert httpx.get(url + "/health", timeout=10).status_code == 503
     samples = scrape(port)
-    assert one(samples, "vramledger_worker_up", worker=url) == 0
-    assert one(samples, "vramledger_worker_state", worker=url, state="unreachable") == 1
-    assert find(samples, "vramledger_worker_observed_memory_bytes", worker=url) == []
+    assert one(samples, "vramledger_engine_up", engine=url) == 0
+    assert one(samples, "vramledger_engine_state", engine=url, state="unreachable") == 1
+    assert find(samples, "vramledger_engine_observed_memory_bytes", engine=url) == []
     assert one(samples, "vramledger_exporter_errors_total", source="vllm") == 0  # a state, not a fault
     assert "its engine core is dead" in (tmp_path / "exporter.log").read_text()

@@ -19,8 +19,8 @@ from exporter.sources import HOST, DeviceMemory
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """vramledger_worker_info{engine, version, model}; "" where the engine does not say."""
-    engine: str
+    """vramledger_engine_info{kind, version, model}; "" where the engine does not say."""
+    kind: str
     version: str = ""
     model: str = ""
 
@@ -69,7 +69,7 @@ class EngineState:
 
 
 class Status(str, Enum):
-    """vramledger_worker_state{state}: where a watched engine is in its life."""
+    """vramledger_engine_state{state}: where a watched engine is in its life."""
     SERVING = "serving"  # read as that kind of engine
     LOADING = "loading"  # it answered 503: loading its model, or otherwise not ready
     UNREACHABLE = "unreachable"  # no answer within the timeout: down, starting, or no such server
@@ -107,7 +107,7 @@ class Wrong(NotServing):
 class Engine(Protocol):
     """One watched server: read() is called once per scrape, from a worker thread."""
     url: str
-    kind: str  # vramledger_worker_info{engine}
+    kind: str  # vramledger_engine_info{kind}
     source: str  # vramledger_exporter_errors_total{source} of its faults
 
     def read(self) -> EngineState:

@@ -2,7 +2,7 @@
 declares.
 
 vLLM's API server starts an engine-core process (and, with tensor parallelism or on vLLM's CPU build,
-one worker per rank); those children hold the device memory, so the whole tree is the worker. With the
+one worker per rank); those children hold the device memory, so the whole tree is the engine's. With the
 vLLM plugin enabled it declares its ledger, rank by rank, and its other processes' host memory
 (vllm_ledger.py). Without it, its budget is vLLM V1's own rule: gpu_memory_utilization x the total
 memory of each device it uses. With an explicit

@@ -1,5 +1,5 @@
 """Scenario 4, the exporter sees it: beside scenario 3's workers and neighbour, the exporter (NVML on
-CUDA, the host on the CPU) labels each worker's pid owner="worker", the neighbour's owner="foreign",
+CUDA, the host on the CPU) labels each worker's pid owner="engine", the neighbour's owner="foreign",
 and reports each worker's unaccounted memory as the device's view minus its ledger."""
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def run(ctx: Context, hood: Neighbourhood, result: ScenarioResult) -> None:
     for worker in hood.workers:
         found = find(samples, rows, pid=str(worker.pid))
         owners = sorted({s.labels.get("owner", "?") for s in found})
-        result.add(Check.compare(f"pid {worker.pid} ({worker.name})", owners == ["worker"],
-                                 f"owner={','.join(owners) or 'not listed'}", 'owner="worker"'))
+        result.add(Check.compare(f"pid {worker.pid} ({worker.name})", owners == ["engine"],
+                                 f"owner={','.join(owners) or 'not listed'}", 'owner="engine"'))
     found = find(samples, rows, pid=str(hood.neighbour.pid))
     owners = sorted({s.labels.get("owner", "?") for s in found})
     result.add(Check.compare(f"pid {hood.neighbour.pid} (neighbour)", owners == ["foreign"],
@@ -60,7 +60,7 @@ def run(ctx: Context, hood: Neighbourhood, result: ScenarioResult) -> None:
     for worker in hood.workers:
         declared = worker.ledger()["declared_bytes"]
         seen = views.get(worker.pid)
-        got = find(samples, "vramledger_worker_unaccounted_memory_bytes", worker=worker.url)
+        got = find(samples, "vramledger_engine_unaccounted_memory_bytes", engine=worker.url)
         if seen is None or seen.bytes is None or not got:
             unseen = seen is None or seen.bytes is None
             result.add(Check.compare(f"unaccounted ({worker.name})", False,
