@@ -22,8 +22,7 @@ from exporter.errors import ErrorLog
 
 log = logging.getLogger(__name__)
 SOURCE = "kubernetes"
-PORT_ANNOTATION = "vramledger.io/port"
-DEFAULT_PORT = 8000  # our worker's and vLLM's default; other engines' pods name theirs
+PORT_ANNOTATION = "vramledger.io/port"  # without it, the kind's default port (EngineKind.port)
 
 
 @dataclass(frozen=True)
@@ -128,16 +127,16 @@ class PodDirectory:
             self._refresh_if_stale()
             found = []
             for pod in self._pods.values():
-                kind = pod.labels.get(POD_LABEL)
-                if kind is None or kind_named(kind) is None or pod.phase != "Running" or not pod.ip:
+                kind = kind_named(pod.labels.get(POD_LABEL, ""))
+                if kind is None or pod.phase != "Running" or not pod.ip:
                     continue
-                port = pod.annotations.get(PORT_ANNOTATION, str(DEFAULT_PORT))
+                port = pod.annotations.get(PORT_ANNOTATION, str(kind.port))
                 if not port.isdigit():
                     self._errors.record(SOURCE, f"bad_port {pod.namespace}/{pod.name}",
                                         f"{pod.namespace}/{pod.name}: {PORT_ANNOTATION} {port!r} is no port")
                     continue
                 host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
-                found.append(Engine(kind, f"http://{host}:{port}", pod.namespace, pod.name, pod.uid))
+                found.append(Engine(kind.name, f"http://{host}:{port}", pod.namespace, pod.name, pod.uid))
             return sorted(found, key=lambda e: (e.namespace, e.pod))
 
     def refresh(self) -> bool:

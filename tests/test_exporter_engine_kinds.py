@@ -48,7 +48,7 @@ class ToyEngine:
 
 
 TOY = EngineKind(name="toy", flag="--toy", title="a toy server", source="toy", adapter=ToyEngine,
-                 signature=b"toy_engine_ready", declares="nothing: a toy", flags="nothing")
+                 signature=b"toy_engine_ready", declares="nothing: a toy", flags="nothing", port=9100)
 
 
 @pytest.fixture
@@ -107,14 +107,14 @@ def test_a_vllm_pid_is_taken_by_its_flag():
 
 def test_a_pod_labelled_with_the_toy_kind_gets_its_adapter(api, toy):
     errors = ErrorLog()
-    api.pods[:] = [pod("toy-0", "inference", NODE, uid=UID, ip="10.244.1.40",
-                       labels={"vramledger.io/engine": "toy"}, annotations={"vramledger.io/port": "9000"}),
+    # No vramledger.io/port annotation: the toy's own default port.
+    api.pods[:] = [pod("toy-0", "inference", NODE, uid=UID, ip="10.244.1.40", labels={"vramledger.io/engine": "toy"}),
                    pod("other-0", "inference", NODE, ip="10.244.1.41", labels={"vramledger.io/engine": "nope"})]
     engines = discovered(api, Clock(), errors)
     try:
         engines._update(engines._pods.engines())
         [adapter] = engines._engines.engines
-        assert isinstance(adapter, ToyEngine) and adapter.url == "http://10.244.1.40:9000"
+        assert isinstance(adapter, ToyEngine) and adapter.url == "http://10.244.1.40:9100"
         assert isinstance(adapter.locator, PodLocator) and adapter.locator.pod_uid == UID
         assert "toy" in engines.sources
     finally:
@@ -160,8 +160,8 @@ def test_a_text_with_no_known_signature_gets_no_hint(toy):
 def test_the_docs_table_is_generated_from_the_kinds(toy):
     docs = DOCS.read_text()
     generated = table()
-    assert "| a toy server | `--toy URL` | `vramledger.io/engine: toy` | nothing: a toy | nothing |" in generated
-    assert "| a vLLM server | `--vllm URL[=PID]` | `vramledger.io/engine: vllm` |" in generated
+    assert "| a toy server | `--toy URL` | `vramledger.io/engine: toy` (9100) | nothing: a toy | nothing |" in generated
+    assert "| a vLLM server | `--vllm URL[=PID]` | `vramledger.io/engine: vllm` (8000) |" in generated
     # docs/exporter.md holds the table of the kinds this package declares: python -m
     # exporter.engines.docs_table writes it.
     unregister("toy")

@@ -16,10 +16,11 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "exporter.md"
 
 def table(of: tuple[EngineKind, ...] | None = None) -> str:
     """The markdown table of the kinds (every registered kind by default)."""
-    rows = ["| kind | flag | pod label | what it declares | what the exporter can flag |", "|---|---|---|---|---|"]
+    rows = ["| kind | flag | pod label (default port) | what it declares | what the exporter can flag |",
+            "|---|---|---|---|---|"]
     for kind in kinds() if of is None else of:
         metavar = "URL[=PID]" if kind.takes_pid else "URL"
-        cells = (kind.title, f"`{kind.flag} {metavar}`", f"`{POD_LABEL}: {kind.name}`", kind.declares,
+        cells = (kind.title, f"`{kind.flag} {metavar}`", f"`{POD_LABEL}: {kind.name}` ({kind.port})", kind.declares,
                  kind.flags or "its processes' memory only")
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows)

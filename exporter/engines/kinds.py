@@ -38,3 +38,4 @@ class EngineKind:
     # docs/exporter.md's table: what the exporter can flag for it given what it declares (unaccounted
     # memory needs a declared total; "" where it flags nothing beyond its processes' attribution).
     flags: str = ""
+    port: int = 8000  # the port its server listens on by default: a pod's, without a vramledger.io/port annotation
