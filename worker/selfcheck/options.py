@@ -30,6 +30,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="where --scale large keeps its checkpoints (default: ~/.cache/vramledger/selfcheck)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
-                   help="scenario 5 (GPU only): the interpreter of vLLM's environment, where the vramledger "
+                   help="scenarios 5 and 6 (GPU only): the interpreter of vLLM's environment, where the vramledger "
                         "vLLM plugin is installed (default: this one, if it has vLLM)")
     p.add_argument("--log-level", default="WARNING")
