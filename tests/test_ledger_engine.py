@@ -152,7 +152,7 @@ def test_budget_that_only_the_new_entries_push_over_fails_naming_the_setting(che
     utilization = budget / engine.device.total_bytes()
     with pytest.raises(MemoryPlanError, match=r"below the .* before any KV cache .*allocator slack, "
                                               r"per-sequence state.*Raise --memory-utilization"):
-        plan_memory(engine.runner, replace(config, kv_cache_memory=None, memory_utilization=utilization),
+        plan_memory(engine.runner, replace(engine.config, kv_cache_memory=None, memory_utilization=utilization),
                     engine.device, ledger, engine.tokenizer)
     # Re-measured, the entries before the new ones still fit: the new ones alone pushed it over.
     # A plan made again in the same process reads RSS a few MiB apart (up to 7.4 MiB seen, which

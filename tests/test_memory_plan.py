@@ -5,6 +5,7 @@ import mem_hog
 import pytest
 from test_device import FakeCuda, props, two_gpus
 
+from worker.config import EngineConfig
 from worker.memory.device import CpuDevice, CudaDevice
 from worker.memory.plan import (
     CPU_DEFAULT_KV_BYTES,
@@ -47,8 +48,11 @@ def test_cuda_default_utilization(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     FakeCuda(monkeypatch, props(), total=80 * GiB)
     device = CudaDevice(0, nvml=two_gpus())
-    assert budget_bytes(device, None, None, 10 * GiB, UNLIMITED) == (72 * GiB, 62 * GiB)
+    default = EngineConfig().budget_utilization("cuda")  # the one place it is resolved
+    assert budget_bytes(device, default, None, 10 * GiB, UNLIMITED) == (72 * GiB, 62 * GiB)
     assert budget_bytes(device, 0.5, None, 10 * GiB, 8 * GiB) == (40 * GiB, 8 * GiB)
+    with pytest.raises(ValueError, match="needs a utilization"):  # unresolved: refused, never guessed
+        budget_bytes(device, None, None, 10 * GiB, UNLIMITED)
 
 
 def test_budget_below_non_kv_says_how_much_to_raise(cpu):

@@ -14,7 +14,7 @@ def test_decode_step_proposes_k_after_the_longest_catch_up(checkpoints, speculat
     cpu = torch.device("cpu")
     config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"], max_model_len=64,
                           max_num_seqs=3, num_speculative_tokens=3, speculation=speculation)
-    config.resolve_lengths(64)
+    config = config.resolve_lengths(64)
     runner = ModelRunner(load_model(config.model, torch.float32, cpu),
                          load_model(config.draft_model, torch.float32, cpu), config.block_size, cpu)
     runner.allocate_kv_cache(profile_blocks(config))

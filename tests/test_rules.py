@@ -37,19 +37,28 @@ RUNBOOK_SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation")
 RUNBOOK_URL = "{{{{ $externalLabels.runbook_base_url }}}}/{}.md"
 
 
-def _rules(kind: str) -> dict[str, dict]:
-    found = {}
+def _rules(kind: str) -> dict[str, list[dict]]:
+    """Each name with its definitions, in file order."""
+    found: dict[str, list[dict]] = {}
     for path in RULE_FILES:
         for group in yaml.safe_load(path.read_text())["groups"]:
             for rule in group["rules"]:
                 if kind in rule:
-                    assert rule[kind] not in found, f"{rule[kind]} defined twice"
-                    found[rule[kind]] = rule
+                    found.setdefault(rule[kind], []).append(rule)
     return found
 
 
-ALERT_RULES = _rules("alert")
+def _alert_rules() -> dict[str, dict]:
+    found = _rules("alert")
+    assert all(len(rules) == 1 for rules in found.values()), [name for name, r in found.items() if len(r) > 1]
+    return {name: rules[0] for name, rules in found.items()}
+
+
+ALERT_RULES = _alert_rules()
+# A recorded series may come from several engines' counters: one definition per source, told apart
+# by a static label (`kind`), so their series never collide.
 RECORDING_RULES = _rules("record")
+ENGINE_SOURCES = {"": "vramledger_spec_decode_", "vllm": "vllm:spec_decode_"}  # kind label -> prefix
 
 
 def _duration_s(text: str) -> float:
@@ -110,15 +119,36 @@ def test_exactly_the_documented_alerts_exist():
     assert set(ALERT_RULES) == ALERTS
 
 
+def _by_source(record: str) -> dict[str, str]:
+    """{kind label ("" for the worker's own): expr} of one recorded series."""
+    rules = RECORDING_RULES[record]
+    by_kind = {rule.get("labels", {}).get("kind", ""): rule["expr"] for rule in rules}
+    assert len(by_kind) == len(rules), f"{record}: two definitions with the same kind label"
+    return by_kind
+
+
 def test_recording_rules_exist():
     assert RECORDINGS <= set(RECORDING_RULES)
-    length = RECORDING_RULES["vramledger:spec_decode_mean_acceptance_length:rate5m"]["expr"]
-    assert re.match(r"\s*1\s*\+", length), "mean acceptance length is 1 + accepted / drafts"
-    assert {"vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_drafts_total"} == \
-        metric_names(length)
-    rate = RECORDING_RULES["vramledger:spec_decode_acceptance_rate:rate5m"]["expr"]
-    assert {"vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_draft_tokens_total"} == \
-        metric_names(rate)
+    # Each engine's counters under its own names: (accepted, proposed tokens, drafts).
+    names = {"": ("vramledger_spec_decode_accepted_tokens_total", "vramledger_spec_decode_draft_tokens_total",
+                  "vramledger_spec_decode_drafts_total"),
+             "vllm": ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
+                      "vllm:spec_decode_num_drafts_total")}
+    length = _by_source("vramledger:spec_decode_mean_acceptance_length:rate5m")
+    rate = _by_source("vramledger:spec_decode_acceptance_rate:rate5m")
+    assert set(length) == set(rate) == set(names) == set(ENGINE_SOURCES)
+    for kind, (accepted, proposed, drafts) in names.items():
+        assert re.match(r"\s*1\s*\+", length[kind]), "mean acceptance length is 1 + accepted / drafts"
+        assert metric_names(length[kind]) == {accepted, drafts}, kind
+        assert metric_names(rate[kind]) == {accepted, proposed}, kind
+
+
+def test_every_recorded_series_has_one_definition_per_engine_source():
+    for record in RECORDING_RULES:
+        by_kind = _by_source(record)
+        for kind, expr in by_kind.items():
+            prefix = ENGINE_SOURCES[kind]
+            assert all(name.startswith(prefix) for name in metric_names(expr)), (record, kind, expr)
 
 
 @pytest.mark.parametrize("name", sorted(ALERTS))
@@ -172,7 +202,9 @@ def test_no_orphan_runbooks():
 
 def test_rules_use_only_known_metrics():
     known = known_series()
-    for name, rule in {**ALERT_RULES, **RECORDING_RULES}.items():
+    rules = [(name, rule) for name, rule in ALERT_RULES.items()]
+    rules += [(name, rule) for name, defined in RECORDING_RULES.items() for rule in defined]
+    for name, rule in rules:
         unknown = metric_names(rule["expr"]) - known
         assert not unknown, f"{name} uses metrics nobody publishes: {sorted(unknown)}"
 
@@ -205,9 +237,12 @@ def test_promtool_tests_load_every_rule_file():
 
 
 def test_recording_rules_have_promtool_cases():
+    """Each recorded series from each engine's counters: a case expects a sample of that source."""
     tested = set()
     for path in TEST_FILES:
         for test in yaml.safe_load(path.read_text()).get("tests", []):
             for case in test.get("promql_expr_test", []) or []:
-                tested |= metric_names(case["expr"])
-    assert RECORDINGS <= tested
+                for sample in case.get("exp_samples") or []:
+                    kind = re.search(r'\bkind="([^"]*)"', sample["labels"])
+                    tested |= {(name, kind.group(1) if kind else "") for name in metric_names(case["expr"])}
+    assert {(record, kind) for record in RECORDINGS for kind in _by_source(record)} <= tested

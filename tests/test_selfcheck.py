@@ -70,9 +70,11 @@ def test_selfcheck_passes_on_the_cpu_but_for_vllm_and_leaves_no_process(tmp_path
                                          s["skipped"], s["error"]) for s in doc["scenarios"]])
     assert proc.returncode == 3, f"{table}\n{proc.stderr[-3000:]}"  # a scenario skipped is never passed
     assert [(s["number"], s["status"]) for s in doc["scenarios"]] == [(n, PASS) for n in (1, 2, 3, 4)] + [
-        (5, SKIP)]
-    assert not doc["passed"] and doc["summary"] == "4 passed, 0 failed, 1 skipped"
+        (5, SKIP), (6, SKIP)]
+    assert not doc["passed"] and doc["summary"] == "4 passed, 0 failed, 2 skipped"
     assert doc["scenarios"][4]["skipped"].startswith("needs a GPU: vLLM's CPU build runs no memory profile")
+    assert doc["scenarios"][5]["skipped"].startswith("needs a CUDA device, and there is none here")
+    assert doc["scenarios"][5]["checks"] == []  # a skip line, with no check that could read as passed
     names = {p["name"] for p in doc["processes"]}
     assert {"s1-worker", "s2-no-draft", "s2-draft", "s3-neighbour", "s4-exporter"} <= names
     assert all(gone(p["pid"]) for p in doc["processes"]), doc["processes"]
@@ -175,12 +177,12 @@ def test_scenarios_after_a_failure_are_skipped_unless_keep_going(tmp_path, monke
     monkeypatch.setattr(scenario_neighbours, "set_up", no_room)
     ctx = cpu_context(tmp_path)
     results = selfcheck_run.run_scenarios(ctx)
-    assert ran == [1] and [r.status for r in results] == [FAIL, SKIP, SKIP, SKIP, SKIP]
-    assert "scenario 1 failed" in results[1].skipped and "scenario 1 failed" in results[4].skipped
+    assert ran == [1] and [r.status for r in results] == [FAIL, SKIP, SKIP, SKIP, SKIP, SKIP]
+    assert "scenario 1 failed" in results[1].skipped and "scenario 1 failed" in results[5].skipped
     ran.clear()
     results = selfcheck_run.run_scenarios(ctx, keep_going=True)
-    assert ran == [1, 2] and [r.status for r in results] == [FAIL, SKIP, SKIP, SKIP, SKIP]
-    assert results[4].skipped.startswith("needs a GPU")
+    assert ran == [1, 2] and [r.status for r in results] == [FAIL, SKIP, SKIP, SKIP, SKIP, SKIP]
+    assert results[4].skipped.startswith("needs a GPU") and results[5].skipped.startswith("needs a CUDA device")
     assert results[2].skipped == "no room" and "no room" in results[3].skipped
 
 

@@ -1,7 +1,9 @@
 """A real vLLM server (its CPU build, serving the shipped pair with the draft) with the vLLM plugin, the
 exporter beside it on the host: every process of the server is in its ledger, so after 20 requests no
-alert rule fires on what the exporter publishes; and once its engine core dies the exporter no longer
-calls it serving.
+alert rule fires on what the exporter publishes; its own /metrics serves the speculative-decoding
+counters the recording rules read, which give its acceptance in the worker's recorded series and
+raise the speculation alert exactly when that acceptance is low; and once its engine core dies the
+exporter no longer calls it serving.
 
 Needs the vLLM venv (`make vllm-venv`); skipped, saying so, without it. One vLLM start for the module.
 """
@@ -18,6 +20,8 @@ import httpx
 import psutil
 import pytest
 import yaml
+from metric_catalogue import catalogue
+from prometheus_client.parser import text_string_to_metric_families
 from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
 from test_rules import ALERT_RULES, PROM, RULE_FILES, _promtool
 from test_vllm_plugin_real import (  # noqa: F401
@@ -144,6 +148,50 @@ def test_no_alert_fires_on_a_healthy_server_with_the_plugin(server, spawn, tmp_p
     cases = tmp_path / "server_whole_test.yml"
     promtool_cases(cases, samples, url, (declared - at_ready, observed - (declared - at_ready)))
     out = subprocess.run([_promtool(), "test", "rules", str(cases)], capture_output=True, text=True, timeout=300,
+                         cwd=PROM)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+
+
+def spec_decode_counters(url: str) -> dict[str, float]:
+    """vLLM's counters the recording rules read, from its /metrics, checked against docs/metrics.md."""
+    catalogued = catalogue()["vllm"]
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)}
+    values = {}
+    for name, entry in catalogued.items():
+        family = families.get(entry.family)
+        assert family is not None and family.type == "counter", f"{entry.family} not on vLLM's /metrics"
+        [sample] = [s for s in family.samples if s.name == name]  # one engine core
+        assert set(sample.labels) == entry.labels, sample.labels
+        values[name] = sample.value
+    return values
+
+
+def test_its_speculation_feeds_the_recorded_acceptance_and_the_alert(server, tmp_path):
+    api, url, _ = server
+    before = spec_decode_counters(url)
+    completions(url, 4)
+    after = spec_decode_counters(url)
+    grew = {name: after[name] - before[name] for name in after}
+    drafts, proposed, accepted = (grew[f"vllm:spec_decode_num_{n}_total"]
+                                  for n in ("drafts", "draft_tokens", "accepted_tokens"))
+    assert drafts > 0 and proposed >= drafts and 0 <= accepted <= proposed, grew
+    print(f"vLLM's CPU build with the shipped draft: {accepted:.0f} of {proposed:.0f} draft tokens accepted")
+    # The same growth every minute for 30 minutes, as Prometheus would scrape it (job vllm).
+    scraped = {"job": "vllm", "instance": url.removeprefix("http://")}
+    series = [{"series": name + label_text({"engine": "0", "model_name": str(TARGET)} | scraped),
+               "values": f"{before[name]!r}+{grew[name]!r}x30"} for name in after]
+    rate = accepted / proposed
+    recorded = 'vramledger:spec_decode_acceptance_rate:rate5m{kind="vllm"}'
+    low = ALERT_RULES["VramledgerSpecDecodeAcceptanceLow"]["expr"]
+    path = tmp_path / "vllm_speculation_test.yml"
+    path.write_text(yaml.safe_dump({
+        "rule_files": [str(p) for p in RULE_FILES], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": [
+            {"expr": f"abs({recorded} - {rate!r}) < bool 1e-9", "eval_time": "20m",
+             "exp_samples": [{"labels": label_text(scraped | {"kind": "vllm"}), "value": 1}]},
+            {"expr": f"count({low})", "eval_time": "20m",
+             "exp_samples": [{"labels": "{}", "value": 1}] if rate < 0.3 else []}]}]}))
+    out = subprocess.run([_promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=300,
                          cwd=PROM)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
 

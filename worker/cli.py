@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
-from typing import TypedDict
+import typing
+from typing import Any, TypedDict
 
-from vramledger.units import parse_size  # its SizeError is an ArgumentTypeError too
-from worker.config import COMPILE_BACKENDS, DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig, usable_cores
+from worker.config import EngineConfig, Flag, usable_cores
 from worker.http.settings import SHUTDOWN_MARGIN
 from worker.selfcheck.options import add_flags as add_selfcheck_flags
 
@@ -20,45 +21,34 @@ SPIN_BEFORE_SLEEP = 3000
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="target checkpoint directory (default: shipped pair)")
-    draft = p.add_mutually_exclusive_group()
-    draft.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL, help="draft checkpoint directory")
-    draft.add_argument("--no-draft", action="store_true", help="plain decoding, no draft model")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="draft tokens per step: the upper bound with adaptive speculation (default 4)")
-    p.add_argument("--speculation", choices=["fixed", "adaptive"], default="adaptive",
-                   help="adaptive (default): k in 0..K each step, by measured acceptance and step costs; "
-                        "fixed: always K")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
-                   type=float, default=None, metavar="F",
-                   help="budget as a share of device memory (default 0.9 on CUDA)")
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
-                   help="explicit KV cache size, e.g. 2GiB (overrides --memory-utilization)")
-    p.add_argument("--max-model-len", type=int, default=0, metavar="N",
-                   help="longest prompt + output in tokens (default: the model's limit, at most 2048)")
-    p.add_argument("--max-num-seqs", type=int, default=16, metavar="N")
-    p.add_argument("--max-num-batched-tokens", type=int, default=0, metavar="N",
-                   help="prompt tokens one step computes beside its decoding requests (default 512 on the "
-                        "CPU, else 2048); longer prompts are prefilled in chunks, and running requests get a "
-                        "token every step")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="compute every prompt whole (by default a prompt that starts like an earlier one "
-                        "reuses its cached KV blocks)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                   help="threads of a step on the CPU (default: OMP_NUM_THREADS when set, else every core but "
-                        "one, left to the server's HTTP and tokenizer threads, and every core for a step that "
-                        "prefills one prompt with no other request in it); small steps run on one")
-    p.add_argument("--compile", action="store_true",
-                   help="compile both models with torch.compile (inductor) at startup (minutes); the "
-                        "ledger's `compiled` entry holds what it costs. Not faster on the CPU so far "
-                        "(docs/benchmarks.md)")
-    p.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
-                   help="with --compile: inductor (default) generates kernels; eager keeps dynamo's graphs "
-                        "and guards and runs them with torch's ops (checks in seconds that the models compile)")
+    """EngineConfig's flags, one per field that declares one (worker/config.py: its help, default and
+    choices), then --log-level."""
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        if "flag" in field.metadata:
+            add_field_flag(p, field, field.metadata["flag"], hints[field.name])
     p.add_argument("--log-level", default="INFO")
+
+
+def add_field_flag(p: argparse.ArgumentParser, field: dataclasses.Field, how: Flag, hint: Any) -> None:
+    """One field's flag, `--field-name`: a switch for a bool, else a value of the field's type; a field
+    with an `off` flag gets that one beside it (--no-draft: None; --no-prefix-caching: False)."""
+    names = (how.name or "--" + field.name.replace("_", "-"), *how.aliases)
+    kind = next(a for a in typing.get_args(hint) if a is not type(None)) if typing.get_args(hint) else hint
+    if kind is bool:
+        if field.default:  # on unless switched off
+            if how.off is None:
+                raise TypeError(f"EngineConfig.{field.name} is on by default: its flag needs `off`")
+            p.add_argument(how.off, dest=field.name, action="store_false", help=how.off_help)
+        else:
+            p.add_argument(*names, dest=field.name, action="store_true", help=how.help)
+        return
+    target: Any = p if how.off is None else p.add_mutually_exclusive_group()
+    target.add_argument(*names, dest=field.name, type=how.parse or kind, default=field.default, choices=how.choices,
+                        metavar=how.metavar, help=how.help)
+    if how.off is not None:  # after the value's flag, whose default the field's is
+        target.add_argument(how.off, dest=field.name, action="store_const", const=None, default=argparse.SUPPRESS,
+                            help=how.off_help)
 
 
 def add_waiting_flag(p: argparse.ArgumentParser) -> None:
@@ -117,15 +107,9 @@ def thread_settings(cpu_threads: int | None) -> ThreadSettings:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, draft_model=None if args.no_draft else args.draft_model,
-        num_speculative_tokens=args.num_speculative_tokens, speculation=args.speculation,
-        device=args.device, dtype=args.dtype,
-        memory_utilization=args.memory_utilization, kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
-        block_size=args.block_size,
-        **thread_settings(args.cpu_threads), compile=args.compile, compile_backend=args.compile_backend)
+    """The config of add_engine_flags' flags; the threads' defaults from thread_settings."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "flag" in f.metadata}
+    return EngineConfig(**{**flags, **thread_settings(args.cpu_threads)})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,9 +39,10 @@ class LLMEngine:
     """Continuous-batching speculative decoding over one paged KV cache."""
 
     def __init__(self, config: EngineConfig,
-                 server_state: Callable[[object, torch.device], object] | None = None):
-        """server_state(tokenizer, device) builds what a server in front holds for its requests
-        in flight, measured into the ledger's `server` entry (worker/http/request_state.py)."""
+                 server_state: Callable[[EngineConfig, object, torch.device], object] | None = None):
+        """server_state(config, tokenizer, device) builds what a server in front holds for its requests
+        in flight (config with its lengths resolved), measured into the ledger's `server` entry
+        (worker/http/request_state.py)."""
         self.config = config
         self.device = get_device(config.device)
         self.dtype = self.device.dtype if config.dtype == "auto" else DTYPES[config.dtype]
@@ -61,7 +62,7 @@ class LLMEngine:
             if draft is not None and draft.config.vocab_size != target.config.vocab_size:
                 raise ModelLoadError(f"draft vocab_size {draft.config.vocab_size} differs from the "
                                      f"target's {target.config.vocab_size}")
-            config.resolve_lengths(target.config.max_position_embeddings, self.device.kind)
+            config = self.config = config.resolve_lengths(target.config.max_position_embeddings, self.device.kind)
             self.runner = ModelRunner(target, draft, config.block_size, self.device.torch_device)
             if self.device.kind == "cpu" and config.cpu_prompt_threads not in (None, config.cpu_threads):
                 self.runner.prompt_threads = config.cpu_prompt_threads  # before the profile: it measures them
@@ -74,7 +75,7 @@ class LLMEngine:
                     self.ledger.record("compiled", measure_held(
                         self.device, lambda: self.runner.compile(config.compile_backend)))
             held_by_server = None if server_state is None else functools.partial(
-                server_state, self.tokenizer, self.device.torch_device)
+                server_state, config, self.tokenizer, self.device.torch_device)
             with self.startup.phase("memory_profile"):
                 self.num_blocks = plan_memory(self.runner, config, self.device, self.ledger, self.tokenizer,
                                               held_by_server)

@@ -17,7 +17,6 @@ from worker.engine.profile_run import (
 from worker.memory.device import Device
 from worker.memory.ledger import Ledger
 from worker.memory.plan import (
-    CUDA_DEFAULT_UTILIZATION,
     budget_bytes,
     check_free_memory,
     max_usable_kv_bytes,
@@ -34,9 +33,7 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     have in flight (worker/http/request_state.py); without a server that entry is 0.
     """
     c, k = config, config.num_speculative_tokens
-    utilization = c.memory_utilization
-    if utilization is None and device.kind == "cuda" and c.kv_cache_memory is None:
-        utilization = CUDA_DEFAULT_UTILIZATION
+    utilization = c.budget_utilization(device.kind)
     ledger.utilization, ledger.kv_cache_memory = utilization, c.kv_cache_memory
     ledger.max_model_len, ledger.num_speculative_tokens = c.max_model_len, k
 

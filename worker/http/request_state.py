@@ -35,10 +35,10 @@ from worker.http.settings import ServerSettings
 READ_BYTES = 64 << 10  # the pieces a body arrives in: uvicorn stops reading at 64 KiB until the app takes them
 
 
-def requests_in_flight(config: EngineConfig, settings: ServerSettings, encoder: PromptEncoder, tokenizer,
+def requests_in_flight(settings: ServerSettings, encoder: PromptEncoder, config: EngineConfig, tokenizer,
                        device: torch.device) -> list:
     """The server's state for max_num_seqs + max_waiting requests of max_model_len tokens, with the
-    prompt stage full (see the module's doc).
+    prompt stage full (see the module's doc). config: the engine's, its lengths resolved.
 
     The completions grow as serving grows them, a step's output for every request in turn: the
     short-lived outputs between the long-lived lists leave the heap as fragmented as serving does.

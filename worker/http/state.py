@@ -124,7 +124,7 @@ def load_engine(config: EngineConfig, settings: ServerSettings, encoder: PromptE
         encoder.load(config.model)
     if engine_factory is not None:
         return engine_factory(config)
-    return LLMEngine(config, functools.partial(requests_in_flight, config, settings, encoder))
+    return LLMEngine(config, functools.partial(requests_in_flight, settings, encoder))
 
 
 def served_name(config: EngineConfig, settings: ServerSettings) -> str:

@@ -10,7 +10,6 @@ from worker.memory.device import Device
 
 log = logging.getLogger(__name__)
 
-CUDA_DEFAULT_UTILIZATION = 0.9
 # The CPU shares the host with everything else: without a utilization, take a modest KV cache.
 CPU_DEFAULT_KV_BYTES = 2 * GiB
 
@@ -33,14 +32,17 @@ def max_usable_kv_bytes(max_num_seqs: int, max_model_len: int, block_size: int, 
 
 def budget_bytes(device: Device, utilization: float | None, kv_cache_memory: int | None,
                  non_kv_bytes: int, max_usable_kv_bytes: int) -> tuple[int, int]:
-    """Return (budget, kv_bytes): the memory the worker may hold and the part left for the KV cache."""
+    """Return (budget, kv_bytes): the memory the worker may hold and the part left for the KV cache.
+
+    utilization: as EngineConfig.budget_utilization resolves it; None only on the CPU without one."""
     if kv_cache_memory is not None:
         kv = min(kv_cache_memory, max_usable_kv_bytes)
         return non_kv_bytes + kv, kv
-    if utilization is None and device.kind == "cpu":
+    if utilization is None:
+        if device.kind != "cpu":
+            raise ValueError(f"a budget on {device} needs a utilization (EngineConfig.budget_utilization)")
         kv = min(CPU_DEFAULT_KV_BYTES, max_usable_kv_bytes)
         return non_kv_bytes + kv, kv
-    utilization = CUDA_DEFAULT_UTILIZATION if utilization is None else utilization
     total = device.total_bytes()
     budget = int(total * utilization)
     if budget < non_kv_bytes:

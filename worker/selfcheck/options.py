@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from worker.config import DTYPES
+
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
@@ -15,7 +17,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target checkpoint directory (default: --scale's)")
     p.add_argument("--draft-model", default=None, help="draft checkpoint directory (default: --scale's)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="default: 512 on the CPU, 2048 on CUDA")
@@ -30,6 +32,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="where --scale large keeps its checkpoints (default: ~/.cache/vramledger/selfcheck)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
-                   help="scenario 5 (GPU only): the interpreter of vLLM's environment, where the vramledger "
+                   help="scenarios 5 and 6 (GPU only): the interpreter of vLLM's environment, where the vramledger "
                         "vLLM plugin is installed (default: this one, if it has vLLM)")
     p.add_argument("--log-level", default="WARNING")

@@ -1,4 +1,4 @@
-"""The order of a selfcheck run: the device, the sizes, the five scenarios, the report."""
+"""The order of a selfcheck run: the device, the sizes, the six scenarios, the report."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,7 @@ from worker.selfcheck import (
     scenario_ledger,
     scenario_neighbours,
     scenario_vllm,
+    scenario_vllm_pair,
 )
 from worker.selfcheck.checkpoints import LARGE_SHAPES, build_random_checkpoint
 from worker.selfcheck.context import Context
@@ -38,7 +39,7 @@ from worker.selfcheck.view import DeviceView
 
 log = logging.getLogger(__name__)
 TITLES = {1: scenario_ledger.TITLE, 2: scenario_draft.TITLE, 3: scenario_neighbours.TITLE,
-          4: scenario_exporter.TITLE, 5: scenario_vllm.TITLE}
+          4: scenario_exporter.TITLE, 5: scenario_vllm.TITLE, 6: scenario_vllm_pair.TITLE}
 
 
 def attempt(ctx: Context, result: ScenarioResult, body: Callable[[], None]) -> None:
@@ -61,9 +62,9 @@ def attempt(ctx: Context, result: ScenarioResult, body: Callable[[], None]) -> N
 
 
 def run_scenarios(ctx: Context, keep_going: bool = False) -> list[ScenarioResult]:
-    """Scenarios 1 to 5 in order; without keep_going, those after a failure are skipped."""
+    """Scenarios 1 to 6 in order; without keep_going, those after a failure are skipped."""
     results = [ScenarioResult(n, title) for n, title in TITLES.items()]
-    r1, r2, r3, r4, r5 = results
+    r1, r2, r3, r4, r5, r6 = results
 
     def stopped(result: ScenarioResult) -> bool:
         failed = [r.number for r in results if r.status == FAIL]
@@ -80,8 +81,9 @@ def run_scenarios(ctx: Context, keep_going: bool = False) -> list[ScenarioResult
         neighbours_and_exporter(ctx, r3, r4, stopped)
     for started in ctx.procs.started:  # vLLM gets a device that only it uses
         ctx.procs.stop(started)
-    if not stopped(r5):
-        attempt(ctx, r5, functools.partial(scenario_vllm.run, ctx, r5))
+    for result, vllm_scenario in ((r5, scenario_vllm), (r6, scenario_vllm_pair)):  # each stops its servers
+        if not stopped(result):
+            attempt(ctx, result, functools.partial(vllm_scenario.run, ctx, result))
     return results
 
 

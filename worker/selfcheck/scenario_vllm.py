@@ -19,6 +19,7 @@ from vramledger.vllm_plugin.gate import PLUGIN_NAME, unsupported_reason
 from worker.selfcheck.context import Context
 from worker.selfcheck.processes import free_port, wait_http
 from worker.selfcheck.report import CannotRun, Check, ScenarioResult
+from worker.selfcheck.scale import Scale
 from worker.selfcheck.view import settle
 
 TITLE = "vLLM's own ledger (the vLLM plugin)"
@@ -94,23 +95,12 @@ def run(ctx: Context, result: ScenarioResult) -> None:
         raise CannotRun(f"needs a tenth of {s.device} free for vLLM; {format_bytes(view.free_bytes())} "
                         "is free")
     port = free_port()
-    speculative = {"model": s.draft_model, "num_speculative_tokens": s.num_speculative_tokens,
-                   "method": "draft_model"}
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model, "--speculative-config",
-           json.dumps(speculative), "--gpu-memory-utilization", f"{share:.2f}", "--max-model-len",
-           str(s.max_model_len), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--dtype", s.dtype if s.dtype != "auto" else {4: "float32", 2: "bfloat16"}[s.element_bytes]]
     ctx.say(f"scenario 5: vLLM with the vramledger plugin, the pair, gpu_memory_utilization {share:.2f}")
-    server = ctx.procs.start("s5-vllm", cmd, env={"VLLM_PLUGINS": PLUGIN_NAME,
-                                                  "CUDA_VISIBLE_DEVICES": visible_device(s.device)})
+    server = ctx.procs.start("s5-vllm", server_command(python, s, port, share), env=server_env(s))
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", max(s.ready_timeout, 900.0), server)
-        with httpx.Client(timeout=60, trust_env=False) as client:
-            response = client.get(url + "/vramledger/memory")
-            response.raise_for_status()
-            doc = response.json()
-            blocks = vllm_blocks(client.get(url + "/metrics").text)
+        wait_http(url + "/health", ready_timeout(s), server)
+        doc, blocks = read_server(url)
         ranks = doc.get("ranks") or [{}]
         pid = ranks[0].get("worker", {}).get("host_pid") or ranks[0].get("worker", {}).get("pid")
         seen = settle(view, pid) if pid else None
@@ -118,6 +108,33 @@ def run(ctx: Context, result: ScenarioResult) -> None:
         check_ledger(result, doc, blocks, seen, expected, share)
     finally:
         ctx.procs.stop(server)
+
+
+def server_command(python: str, s: Scale, port: int, share: float) -> list[str]:
+    """vLLM's OpenAI server on the pair (the draft through --speculative-config), at `share` of the GPU."""
+    speculative = {"model": s.draft_model, "num_speculative_tokens": s.num_speculative_tokens,
+                   "method": "draft_model"}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model, "--speculative-config",
+           json.dumps(speculative), "--gpu-memory-utilization", f"{share:.2f}", "--max-model-len",
+           str(s.max_model_len), "--host", "127.0.0.1", "--port", str(port)]
+    return cmd + ["--dtype", s.dtype if s.dtype != "auto" else {4: "float32", 2: "bfloat16"}[s.element_bytes]]
+
+
+def server_env(s: Scale, **more: str) -> dict[str, str]:
+    """The plugin switched on, on the one GPU selfcheck checks."""
+    return {"VLLM_PLUGINS": PLUGIN_NAME, "CUDA_VISIBLE_DEVICES": visible_device(s.device), **more}
+
+
+def ready_timeout(s: Scale) -> float:
+    return max(s.ready_timeout, 900.0)  # vLLM compiles and captures CUDA graphs before it serves
+
+
+def read_server(url: str) -> tuple[dict, int | None]:
+    """Its GET /vramledger/memory, and vLLM's own count of its KV cache's blocks."""
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        response = client.get(url + "/vramledger/memory")
+        response.raise_for_status()
+        return response.json(), vllm_blocks(client.get(url + "/metrics").text)
 
 
 def visible_device(device: str) -> str:
