@@ -16,7 +16,9 @@ import yaml
 from kubernetes_validate import utils as kv
 
 from exporter.cli import build_parser as exporter_parser
-from exporter.kubernetes import DEFAULT_PORT, ENGINE_LABEL, PORT_ANNOTATION
+from exporter.engines.kinds import POD_LABEL as ENGINE_LABEL
+from exporter.engines.registry import kind_named
+from exporter.kubernetes import PORT_ANNOTATION
 from worker.cli import build_parser as worker_parser
 from worker.http.settings import SHUTDOWN_MARGIN
 
@@ -285,7 +287,7 @@ def test_engine_pods_are_scraped_on_the_port_the_exporter_reads(base):
     kept = lambda annotations, number: relabel(endpoint["relabelings"], {**annotations, port: number}) is not None
     assert kept({meta_label(PORT_ANNOTATION): "8080"}, "8080")
     assert not kept({meta_label(PORT_ANNOTATION): "8080"}, "9000")
-    assert kept({}, str(DEFAULT_PORT)) and not kept({}, "8080")
+    assert kept({}, str(kind_named("vllm").port)) and not kept({}, "8080")  # vLLM's default port
 
 
 def test_the_engine_monitor_relabelings_are_valid_prometheus(base, tmp_path):
