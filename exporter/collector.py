@@ -87,6 +87,9 @@ GAUGES = {
         ("Tokens the engine's KV cache holds, where the engine says: SGLang's token capacity summed over its "
          "data-parallel ranks, TGI's max_batch_total_tokens, TensorRT-LLM's KV cache blocks x tokens per block."),
         ("engine",)),
+    "vramledger_engine_model_declared_bytes": (
+        ("Memory an engine declares per loaded model (Ollama's /api/ps): memory=gpu its size_vram, on the GPUs "
+         "it uses; memory=host the rest of its size, in host memory."), ("engine", "model", "memory")),
 }
 PROCESS = "vramledger_device_process_memory_bytes"
 POD_LABELS = ("namespace", "pod", "container")  # --kubernetes only; empty for a process in no pod

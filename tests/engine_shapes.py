@@ -46,3 +46,27 @@ def sglang_metrics(*usages: float) -> str:
     lines += ["# HELP sglang:token_usage The token usage.", "# TYPE sglang:token_usage gauge"]
     lines += [f"sglang:token_usage{{{label}}} {usage}" for label, usage in zip(labels, usages)]
     return "\n".join(lines) + "\n"
+
+
+# --- Ollama (ollama/ollama) -----------------------------------------------------------------------
+
+def ollama_model(name: str = "llama3.2:3b", size: int = 3_600_000_000, size_vram: int | None = None,
+                 context_length: int = 4096) -> dict:
+    """One entry of GET /api/ps: api/types.go ProcessModelResponse (size and size_vram in bytes; a model
+    Ollama could not fit on its GPUs has size_vram < size, the rest in host memory)."""
+    return {"name": name, "model": name, "size": size,
+            "digest": "a80c4f17acd55265feec403c7aef86be0c25983ab279d83f3bcd3abbcb5b8b72",
+            "details": {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
+                        "parameter_size": "3.2B", "quantization_level": "Q4_K_M"},
+            "expires_at": "2026-12-07T14:38:31.83753Z", "size_vram": size if size_vram is None else size_vram,
+            "context_length": context_length}
+
+
+def ollama_ps(*models: dict) -> dict:
+    """GET /api/ps: api.ProcessResponse (server/routes.go PsHandler), [] when nothing is loaded."""
+    return {"models": list(models)}
+
+
+def ollama_version(version: str = "0.12.3") -> dict:
+    """GET /api/version: {"version": ...} (server/routes.go)."""
+    return {"version": version}

@@ -91,11 +91,14 @@ class FakeEngine:
 
 def every_kind(spawn, tmp_path: Path) -> list[tuple[object, FakeEngine]]:
     """One serving fake engine of each kind that cannot run here, with the EngineKind that watches it."""
-    from engine_shapes import sglang_memory, sglang_metrics, sglang_server_info
+    import engine_shapes as shapes  # here: the server process itself needs none of it
 
-    from exporter.engines import sglang
-    return [(sglang.KIND, FakeEngine(spawn, tmp_path, {"/get_server_info": sglang_server_info(sglang_memory()),
-                                                       "/metrics": sglang_metrics(0.25)}, children=1))]
+    from exporter.engines import ollama, sglang
+    routes = [(sglang.KIND, {"/get_server_info": shapes.sglang_server_info(shapes.sglang_memory()),
+                             "/metrics": shapes.sglang_metrics(0.25)}),
+              (ollama.KIND, {"/api/ps": shapes.ollama_ps(shapes.ollama_model()),
+                             "/api/version": shapes.ollama_version()})]
+    return [(kind, FakeEngine(spawn, tmp_path, answers, children=1)) for kind, answers in routes]
 
 
 # The exporter's per-engine families and the label naming the engine's URL, under either of their names
