@@ -90,6 +90,10 @@ GAUGES = {
     "vramledger_engine_model_declared_bytes": (
         ("Memory an engine declares per loaded model (Ollama's /api/ps): memory=gpu its size_vram, on the GPUs "
          "it uses; memory=host the rest of its size, in host memory."), ("engine", "model", "memory")),
+    "vramledger_engine_runtime_memory_bytes": (
+        ("Memory TensorRT-LLM says its runtime holds (Triton's nv_trt_llm_runtime_memory_metrics), per "
+         "memory_type (gpu, cpu, pinned), summed over its models: published, not declared."),
+        ("engine", "memory_type")),
 }
 PROCESS = "vramledger_device_process_memory_bytes"
 POD_LABELS = ("namespace", "pod", "container")  # --kubernetes only; empty for a process in no pod

@@ -70,3 +70,92 @@ def ollama_ps(*models: dict) -> dict:
 def ollama_version(version: str = "0.12.3") -> dict:
     """GET /api/version: {"version": ...} (server/routes.go)."""
     return {"version": version}
+
+
+# --- llama.cpp (ggml-org/llama.cpp, tools/server/README.md) ---------------------------------------
+
+LLAMACPP_LOADING = (503, {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}})
+LLAMACPP_OK = {"status": "ok"}  # GET /health once the model is loaded
+
+
+def llamacpp_props(total_slots: int = 4, n_ctx: int = 8192, build_info: str = "b6712-4f8d3b2e",
+                   model_path: str = "/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf") -> dict:
+    """GET /props: default_generation_settings (one slot's settings, n_ctx among them), total_slots,
+    model_path, chat_template, modalities, build_info (a few of its settings here)."""
+    return {"default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": n_ctx, "speculative": False,
+                                            "is_processing": False,
+                                            "params": {"n_predict": -1, "temperature": 0.8, "top_k": 40}},
+            "total_slots": total_slots, "model_path": model_path, "chat_template": "...",
+            "modalities": {"vision": False}, "build_info": build_info}
+
+
+def llamacpp_metrics(kv_cache_usage_ratio: float | None = None) -> str:
+    """GET /metrics with --metrics: llamacpp:* series (the README's table); builds before the KV cache was
+    unified also served llamacpp:kv_cache_usage_ratio and llamacpp:kv_cache_tokens."""
+    lines = ["# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.",
+             "# TYPE llamacpp:prompt_tokens_total counter", "llamacpp:prompt_tokens_total 6886",
+             "# HELP llamacpp:requests_processing Number of requests processing.",
+             "# TYPE llamacpp:requests_processing gauge", "llamacpp:requests_processing 1",
+             "# HELP llamacpp:n_tokens_max High watermark of the context size observed.",
+             "# TYPE llamacpp:n_tokens_max counter", "llamacpp:n_tokens_max 1911"]
+    if kv_cache_usage_ratio is not None:
+        lines += ["# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.",
+                  "# TYPE llamacpp:kv_cache_usage_ratio gauge", f"llamacpp:kv_cache_usage_ratio {kv_cache_usage_ratio}",
+                  "# HELP llamacpp:kv_cache_tokens KV-cache tokens.", "# TYPE llamacpp:kv_cache_tokens gauge",
+                  "llamacpp:kv_cache_tokens 2131"]
+    return "\n".join(lines) + "\n"
+
+
+# --- TGI (huggingface/text-generation-inference) --------------------------------------------------
+
+def tgi_info(max_batch_total_tokens: int | None = 163_840, version: str = "3.3.4") -> dict:
+    """GET /info: router/src/lib.rs Info, with the v3 backend's BackendInfo (backends/v3/src/lib.rs)
+    flattened into it."""
+    return {"model_id": MODEL, "model_sha": "0e9e39f249a16976918f6564b8830bc894c89659",
+            "model_pipeline_tag": "text-generation", "max_concurrent_requests": 128, "max_best_of": 2,
+            "max_stop_sequences": 4, "max_input_tokens": 8191, "max_total_tokens": 8192,
+            "validation_workers": 2, "max_client_batch_size": 4, "router": "text-generation-router",
+            "version": version, "sha": "b4d17f18ff6b1f4a5a0bbfd1a5a0e43ea5d8ee1f", "docker_label": None,
+            "model_device_type": "cuda", "model_dtype": "torch.float16", "speculate": 0,
+            "waiting_served_ratio": 0.3, "max_batch_total_tokens": max_batch_total_tokens,
+            "max_waiting_tokens": 20, "max_batch_size": None, "support_chunking": True,
+            "prefix_caching": True, "attention_impl": "flashinfer", "block_size": 1}
+
+
+def tgi_metrics(batch_tokens: int | None = None) -> str:
+    """GET /metrics: tgi_* series (docs/source/reference/metrics.md); tgi_batch_current_max_tokens once a
+    batch has run (backends/v3/src/backend.rs sets it per batch, 0 when the batch empties)."""
+    lines = ["# TYPE tgi_request_count counter", "tgi_request_count 253",
+             "# TYPE tgi_queue_size gauge", "tgi_queue_size 0"]
+    if batch_tokens is not None:
+        lines += ["# TYPE tgi_batch_current_size gauge", "tgi_batch_current_size 8",
+                  "# TYPE tgi_batch_current_max_tokens gauge", f"tgi_batch_current_max_tokens {batch_tokens}"]
+    return "\n".join(lines) + "\n"
+
+
+# --- TensorRT-LLM behind Triton (triton-inference-server/tensorrtllm_backend, README.md) ----------
+
+def triton_metrics(used: int = 1, free: int = 6239, tokens_per: int = 64, gpu_bytes: int = 1_610_236,
+                   trt_llm: bool = True) -> str:
+    """GET :8002/metrics: Triton's own nv_* series and, once its TensorRT-LLM model serves, the
+    nv_trt_llm_* gauges of the README's "Triton Metrics" example (labels model, version)."""
+    lines = ["# HELP nv_inference_request_success Number of successful inference requests",
+             "# TYPE nv_inference_request_success counter",
+             'nv_inference_request_success{model="ensemble",version="1"} 12',
+             "# HELP nv_gpu_memory_used_bytes GPU used memory, in bytes",
+             "# TYPE nv_gpu_memory_used_bytes gauge",
+             'nv_gpu_memory_used_bytes{gpu_uuid="GPU-8c9e2f0a-1b2c-3d4e-5f60-718293a4b5c6"} 75161927680']
+    if trt_llm:
+        labels = 'model="tensorrt_llm",version="1"'
+        lines += ["# HELP nv_trt_llm_runtime_memory_metrics TRT LLM runtime memory metrics",
+                  "# TYPE nv_trt_llm_runtime_memory_metrics gauge",
+                  f'nv_trt_llm_runtime_memory_metrics{{memory_type="pinned",{labels}}} 0',
+                  f'nv_trt_llm_runtime_memory_metrics{{memory_type="gpu",{labels}}} {gpu_bytes}',
+                  f'nv_trt_llm_runtime_memory_metrics{{memory_type="cpu",{labels}}} 0',
+                  "# HELP nv_trt_llm_kv_cache_block_metrics TRT LLM KV cache block metrics",
+                  "# TYPE nv_trt_llm_kv_cache_block_metrics gauge",
+                  f'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="tokens_per",{labels}}} {tokens_per}',
+                  f'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="used",{labels}}} {used}',
+                  f'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="free",{labels}}} {free}',
+                  f'nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type="max",{labels}}} {used + free}']
+    return "\n".join(lines) + "\n"

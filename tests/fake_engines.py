@@ -2,12 +2,15 @@
 exact shapes of that engine's own routes (tests/engine_shapes.py says where each comes from).
 
     python tests/fake_engines.py ROUTES_FILE [--children N] [--host 127.0.0.1]
+    LAUNCHER tests/fake_engines.py --launch SHARDS -- PYTHON tests/fake_engines.py ROUTES_FILE ...
 
 ROUTES_FILE is JSON, {path: {"status": 200, "type": "application/json", "body": "..."}}, read again on
 each request, so a test changes what the engine answers (a model loading, a restart's 503) by writing
 it anew; a path it lacks answers 404. The server starts N child processes first, as SGLang's schedulers
 or Ollama's runners are children of the process on its port, then prints "port P children A B" (the
-children's pids); everything exits when its stdin closes.
+children's pids); everything exits when its stdin closes. With --launch, run through a link named as
+an engine's launcher (TGI's text-generation-launcher), it starts that server and SHARDS sibling processes,
+as the launcher starts TGI's router and shards.
 """
 from __future__ import annotations
 
@@ -21,6 +24,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 HERE = Path(__file__).parent
+
+
+def launch(server: list[str], shards: int) -> None:
+    """As text-generation-launcher: starts the server (the router) and its shards, siblings; prints the
+    server's line with the shards' pids; everything exits when stdin closes."""
+    router = subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    kids = [subprocess.Popen([server[0], "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+            for _ in range(shards)]
+    print(router.stdout.readline().strip(), "shards", *(k.pid for k in kids), "router", router.pid, flush=True)
+    sys.stdin.read()
+    for proc in (router, *kids):
+        proc.stdin.close()
+        proc.wait()
 
 
 def serve(routes: Path, children: int, host: str) -> None:
@@ -58,19 +74,29 @@ def serve(routes: Path, children: int, host: str) -> None:
 class FakeEngine:
     """One fake engine process: its URL, its pid and its children's, and what it answers."""
 
-    def __init__(self, spawn, tmp_path: Path, routes: dict, children: int = 0, host: str = "127.0.0.1"):
+    def __init__(self, spawn, tmp_path: Path, routes: dict, children: int = 0, host: str = "127.0.0.1",
+                 launcher: str | None = None, shards: int = 0):
+        """launcher: the server started by a parent process of that executable name, beside `shards`
+        sibling processes (TGI's text-generation-launcher, its router and shards)."""
         self.routes_file = tmp_path / f"routes-{os.urandom(4).hex()}.json"
         self.serve(routes)
-        self.proc = spawn([sys.executable, str(HERE / "fake_engines.py"), str(self.routes_file),
-                           "--children", str(children), "--host", host],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        server = [sys.executable, str(HERE / "fake_engines.py"), str(self.routes_file),
+                  "--children", str(children), "--host", host]
+        if launcher is not None:  # the name the kernel gives the process is its executable's
+            named = tmp_path / launcher
+            named.symlink_to(sys.executable)
+            server = [str(named), str(HERE / "fake_engines.py"), "--launch", str(shards), "--", *server]
+        self.proc = spawn(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         from test_exporter_host import read_line  # here: the server process itself needs none of it
         line = read_line(self.proc).split()
         assert line[:1] == ["port"] and line[2:3] == ["children"], line
         self.port = int(line[1])
-        self.children = [int(pid) for pid in line[3:]]
+        rest = line[3:line.index("shards")] if launcher is not None else line[3:]
+        self.children = [int(pid) for pid in rest]
+        self.shards = [int(pid) for pid in line[line.index("shards") + 1:-2]] if launcher is not None else []
         self.url = f"http://127.0.0.1:{self.port}"
-        self.pid = self.proc.pid
+        self.launcher = self.proc.pid if launcher is not None else None
+        self.pid = int(line[-1]) if launcher is not None else self.proc.pid  # the one behind the port
 
     def serve(self, routes: dict) -> None:
         """Answer these routes from now on: {path: body} (JSON when not a str), or {path: (status, body)}."""
@@ -86,18 +112,24 @@ class FakeEngine:
 
     @property
     def tree(self) -> frozenset[int]:
-        return frozenset([self.pid, *self.children])
+        """Every process of the fake: the launcher's, where it has one."""
+        launcher = [] if self.launcher is None else [self.launcher, *self.shards]
+        return frozenset([*launcher, self.pid, *self.children])
 
 
 def every_kind(spawn, tmp_path: Path) -> list[tuple[object, FakeEngine]]:
     """One serving fake engine of each kind that cannot run here, with the EngineKind that watches it."""
     import engine_shapes as shapes  # here: the server process itself needs none of it
 
-    from exporter.engines import ollama, sglang
+    from exporter.engines import llamacpp, ollama, sglang, tgi, triton
     routes = [(sglang.KIND, {"/get_server_info": shapes.sglang_server_info(shapes.sglang_memory()),
                              "/metrics": shapes.sglang_metrics(0.25)}),
               (ollama.KIND, {"/api/ps": shapes.ollama_ps(shapes.ollama_model()),
-                             "/api/version": shapes.ollama_version()})]
+                             "/api/version": shapes.ollama_version()}),
+              (llamacpp.KIND, {"/health": shapes.LLAMACPP_OK, "/props": shapes.llamacpp_props(),
+                               "/metrics": shapes.llamacpp_metrics(0.5)}),
+              (tgi.KIND, {"/info": shapes.tgi_info(), "/metrics": shapes.tgi_metrics(8192)}),
+              (triton.KIND, {"/metrics": shapes.triton_metrics()})]
     return [(kind, FakeEngine(spawn, tmp_path, answers, children=1)) for kind, answers in routes]
 
 
@@ -126,6 +158,9 @@ def owned(values: dict, url: str) -> dict[int, float]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--launch"]:
+        launch(sys.argv[4:], int(sys.argv[2]))  # --launch SHARDS -- SERVER...
+        sys.exit()
     parser = argparse.ArgumentParser()
     parser.add_argument("routes", type=Path)
     parser.add_argument("--children", type=int, default=0)
