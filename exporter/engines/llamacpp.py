@@ -59,5 +59,6 @@ class LlamacppEngine(PortEngine):
 KIND = EngineKind(
     name=NAME, flag="--llamacpp", title="a llama.cpp server", source=NAME, adapter=LlamacppEngine,
     signature=b"llamacpp:",
+    takes_pid=True,
     declares=("no bytes; KV usage from `llamacpp:kv_cache_usage_ratio` where its build serves it "
               "(`--metrics`); attributed by process"))

@@ -63,5 +63,6 @@ class OllamaEngine(PortEngine):
 KIND = EngineKind(
     name=NAME, flag="--ollama", title="an Ollama server", source=NAME, adapter=OllamaEngine,
     signature=None,  # Ollama serves no /metrics
+    takes_pid=True,
     declares=("per loaded model (`/api/ps`): `size_vram` on its GPUs, `size - size_vram` on the host; "
               "follows models as they load and unload; no KV usage"))

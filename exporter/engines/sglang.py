@@ -134,6 +134,7 @@ class SglangEngine(PortEngine):
 KIND = EngineKind(
     name=NAME, flag="--sglang", title="an SGLang server", source=NAME, adapter=SglangEngine,
     signature=b"sglang:",
+    takes_pid=True,
     declares=("weights, KV cache and CUDA graphs per rank (`/get_server_info`), or where it gives no "
               "weights its budget `mem_fraction_static` x each GPU; KV usage from `sglang:token_usage` "
               "(`--enable-metrics`); token capacity"))

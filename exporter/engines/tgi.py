@@ -89,5 +89,6 @@ class TgiEngine(PortEngine):
 KIND = EngineKind(
     name=NAME, flag="--tgi", title="a Hugging Face TGI server", source=NAME, adapter=TgiEngine,
     signature=b"tgi_",
+    takes_pid=True,
     declares=("no bytes; token capacity `max_batch_total_tokens` (`/info`), KV usage "
               "`tgi_batch_current_max_tokens` / that; attributed by process"))

@@ -72,5 +72,6 @@ def _kv_cache(blocks: dict[str, dict[str, float]]) -> tuple[float | None, int | 
 KIND = EngineKind(
     name=NAME, flag="--triton", title="a Triton server with TensorRT-LLM", source=NAME, adapter=TritonEngine,
     signature=b"nv_trt_llm_",
+    takes_pid=True,
     declares=("no bytes; KV usage and token capacity from `nv_trt_llm_kv_cache_block_metrics`, its "
               "runtime memory (`nv_trt_llm_runtime_memory_metrics`) published; attributed by process"))
