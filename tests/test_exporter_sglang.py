@@ -161,3 +161,8 @@ def test_a_metrics_text_beyond_bounds_is_wrong(spawn, tmp_path):  # noqa: F811
                                     "/metrics": sglang_metrics(1.5)}, children=0)
     reading = read_one(adapter(fake.url))
     assert reading.status is Status.WRONG and "KV cache usage" in reading.reason
+
+
+def test_no_parallel_layout_is_wrong():
+    with pytest.raises(ValueError, match="not a parallel layout"):
+        parse_server_info(sglang_server_info(sglang_memory(), tp_size=0))

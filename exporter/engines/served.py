@@ -91,8 +91,8 @@ class PortEngine:
         except (NotFound, ValueError) as e:
             self._errors.record(self.source, f"no_process {self.url}", f"{self.url}: {e}")
             pids = frozenset()
-        if pids != self._tree:  # another server run, or a process come or gone: its facts read again
-            self._tree, self._facts = pids, {}
+        if pids != self._tree:  # another server run, or a process come or gone: read its facts and routes again
+            self._tree, self._facts, self._off = pids, {}, set()
         return pids
 
     def fact(self, name: str, read: Callable[[], T]) -> T:

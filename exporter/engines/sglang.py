@@ -71,8 +71,8 @@ def gib(value: object, where: str) -> int:
 def gpus_per_state(doc: dict) -> int:
     """The GPUs one internal state speaks for: its tensor- and pipeline-parallel group (with data-parallel
     attention, the data-parallel ranks split one tensor-parallel group)."""
-    tp, pp = (field(doc, k, int, "server info", optional=True) or 1 for k in ("tp_size", "pp_size"))
-    dp = field(doc, "dp_size", int, "server info", optional=True) or 1
+    tp, pp, dp = (field(doc, k, int, "server info", optional=True) for k in ("tp_size", "pp_size", "dp_size"))
+    tp, pp, dp = (1 if size is None else size for size in (tp, pp, dp))
     if min(tp, pp, dp) < 1:
         raise ValueError(f"tp_size {tp}, pp_size {pp}, dp_size {dp}: not a parallel layout")
     shared = dp if doc.get("enable_dp_attention") is True else 1
