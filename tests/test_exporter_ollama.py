@@ -135,3 +135,16 @@ def test_no_version_loses_only_the_label(spawn, tmp_path):  # noqa: F811
     reading = read_one(adapter(fake.url, errors))
     assert reading.status is Status.SERVING and reading.state.info.version == ""
     assert errors.counts() == {}  # noted once, not counted
+
+
+def test_a_hidden_process_is_counted_and_its_hint_names_this_kinds_flag(spawn, tmp_path, caplog):  # noqa: F811
+    from exporter.processes import PortLocator
+    fake = ollama(spawn, tmp_path, FITS, children=0)
+    errors = ErrorLog()
+    # Where a container's server would be: reachable, its socket not visible (TEST-NET-1 is no address here).
+    engine = KIND.adapter(fake.url, HttpClient(5), errors, PortLocator(f"http://192.0.2.1:{fake.port}"))
+    with caplog.at_level("WARNING"):
+        state = read_one(engine).state
+    assert state.pids == frozenset() and errors.counts() == {"ollama": 1}
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "exporter.errors"]
+    assert "--ollama URL=PID" in warning and "--vllm" not in warning

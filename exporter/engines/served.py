@@ -88,7 +88,11 @@ class PortEngine:
         """Its processes behind its port; frozenset() where none can be seen (counted once per cause)."""
         try:
             pids = self._locator.pids()
-        except (NotFound, ValueError) as e:
+        except NotFound as e:  # its hint names this kind's flag (each is --<kind>), not vLLM's
+            hint = f"; give its pid (--{self.kind} URL=PID)" if str(e) != e.reason else ""
+            self._errors.record(self.source, f"no_process {self.url}", f"{self.url}: {e.reason}{hint}")
+            pids = frozenset()
+        except ValueError as e:
             self._errors.record(self.source, f"no_process {self.url}", f"{self.url}: {e}")
             pids = frozenset()
         if pids != self._tree:  # another server run, or a process come or gone: read its facts and routes again
