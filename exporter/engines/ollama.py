@@ -65,4 +65,6 @@ KIND = EngineKind(
     signature=None,  # Ollama serves no /metrics
     takes_pid=True,
     declares=("per loaded model (`/api/ps`): `size_vram` on its GPUs, `size - size_vram` on the host; "
-              "follows models as they load and unload; no KV usage"))
+              "follows models as they load and unload; no KV usage"),
+    flags=("unaccounted memory on its GPUs and the host while it holds a model loaded (with none loaded "
+           "it declares nothing, so nothing is flagged)"))

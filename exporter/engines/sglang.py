@@ -137,4 +137,7 @@ KIND = EngineKind(
     takes_pid=True,
     declares=("weights, KV cache and CUDA graphs per rank (`/get_server_info`), or where it gives no "
               "weights its budget `mem_fraction_static` x each GPU; KV usage from `sglang:token_usage` "
-              "(`--enable-metrics`); token capacity"))
+              "(`--enable-metrics`); token capacity"),
+    flags=("unaccounted memory on each GPU where it declares: what a rank holds beyond its weights, KV cache "
+           "and CUDA graphs (its CUDA context, activations, communication buffers), or beyond its budget "
+           "where it gives no weights"))
