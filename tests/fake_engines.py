@@ -117,20 +117,24 @@ class FakeEngine:
         return frozenset([*launcher, self.pid, *self.children])
 
 
-def every_kind(spawn, tmp_path: Path) -> list[tuple[object, FakeEngine]]:
-    """One serving fake engine of each kind that cannot run here, with the EngineKind that watches it."""
+def kind_routes() -> list[tuple[object, dict]]:
+    """What a serving engine of each kind that cannot run here answers, with the EngineKind that watches it."""
     import engine_shapes as shapes  # here: the server process itself needs none of it
 
     from exporter.engines import llamacpp, ollama, sglang, tgi, triton
-    routes = [(sglang.KIND, {"/get_server_info": shapes.sglang_server_info(shapes.sglang_memory()),
-                             "/metrics": shapes.sglang_metrics(0.25)}),
-              (ollama.KIND, {"/api/ps": shapes.ollama_ps(shapes.ollama_model()),
-                             "/api/version": shapes.ollama_version()}),
-              (llamacpp.KIND, {"/health": shapes.LLAMACPP_OK, "/props": shapes.llamacpp_props(),
-                               "/metrics": shapes.llamacpp_metrics(0.5)}),
-              (tgi.KIND, {"/info": shapes.tgi_info(), "/metrics": shapes.tgi_metrics(8192)}),
-              (triton.KIND, {"/metrics": shapes.triton_metrics()})]
-    return [(kind, FakeEngine(spawn, tmp_path, answers, children=1)) for kind, answers in routes]
+    return [(sglang.KIND, {"/get_server_info": shapes.sglang_server_info(shapes.sglang_memory()),
+                           "/metrics": shapes.sglang_metrics(0.25)}),
+            (ollama.KIND, {"/api/ps": shapes.ollama_ps(shapes.ollama_model()),
+                           "/api/version": shapes.ollama_version()}),
+            (llamacpp.KIND, {"/health": shapes.LLAMACPP_OK, "/props": shapes.llamacpp_props(),
+                             "/metrics": shapes.llamacpp_metrics(0.5)}),
+            (tgi.KIND, {"/info": shapes.tgi_info(), "/metrics": shapes.tgi_metrics(8192)}),
+            (triton.KIND, {"/metrics": shapes.triton_metrics()})]
+
+
+def every_kind(spawn, tmp_path: Path) -> list[tuple[object, FakeEngine]]:
+    """One serving fake engine of each kind that cannot run here, with the EngineKind that watches it."""
+    return [(kind, FakeEngine(spawn, tmp_path, answers, children=1)) for kind, answers in kind_routes()]
 
 
 # The exporter's per-engine families and the label naming the engine's URL, under either of their names
