@@ -117,19 +117,25 @@ class FakeEngine:
         return frozenset([*launcher, self.pid, *self.children])
 
 
+# What kind_routes' fakes give as their KV cache usage: SGLang's and llama.cpp's own ratio, TGI's batch
+# tokens (over its max_batch_total_tokens), TensorRT-LLM's used and free blocks (used over used + free).
+SGLANG_TOKEN_USAGE, LLAMACPP_KV_RATIO, TGI_BATCH_TOKENS, TRITON_BLOCKS = 0.25, 0.5, 8192, (3, 6237)
+
+
 def kind_routes() -> list[tuple[object, dict]]:
     """What a serving engine of each kind that cannot run here answers, with the EngineKind that watches it."""
     import engine_shapes as shapes  # here: the server process itself needs none of it
 
     from exporter.engines import llamacpp, ollama, sglang, tgi, triton
+    used, free = TRITON_BLOCKS
     return [(sglang.KIND, {"/get_server_info": shapes.sglang_server_info(shapes.sglang_memory()),
-                           "/metrics": shapes.sglang_metrics(0.25)}),
+                           "/metrics": shapes.sglang_metrics(SGLANG_TOKEN_USAGE)}),
             (ollama.KIND, {"/api/ps": shapes.ollama_ps(shapes.ollama_model()),
                            "/api/version": shapes.ollama_version()}),
             (llamacpp.KIND, {"/health": shapes.LLAMACPP_OK, "/props": shapes.llamacpp_props(),
-                             "/metrics": shapes.llamacpp_metrics(0.5)}),
-            (tgi.KIND, {"/info": shapes.tgi_info(), "/metrics": shapes.tgi_metrics(8192)}),
-            (triton.KIND, {"/metrics": shapes.triton_metrics()})]
+                             "/metrics": shapes.llamacpp_metrics(LLAMACPP_KV_RATIO)}),
+            (tgi.KIND, {"/info": shapes.tgi_info(), "/metrics": shapes.tgi_metrics(TGI_BATCH_TOKENS)}),
+            (triton.KIND, {"/metrics": shapes.triton_metrics(used=used, free=free)})]
 
 
 def every_kind(spawn, tmp_path: Path) -> list[tuple[object, FakeEngine]]:
@@ -153,6 +159,21 @@ def of_engine(values: dict, url: str) -> dict[tuple[str, tuple], float]:
             if name.startswith(prefix) and rest.pop(label, None) == url and not name.endswith("_info"):
                 out[name.removeprefix(prefix), tuple(sorted(rest.items()))] = value
     return out
+
+
+def kind_of(values: dict, url: str) -> str:
+    """The kind the engine's info series gives: its label engine while the URL is in worker (as first
+    published), its label kind once the family is vramledger_engine_info{engine}."""
+    [info] = [dict(labels) for (name, labels) in values for prefix, label in ENGINE_FAMILIES
+              if name == prefix + "info" and dict(labels).get(label) == url]
+    return info["kind"] if "kind" in info else info["engine"]
+
+
+def engine_timeout(seconds: float) -> list[str]:
+    """The exporter's flag for how long a scrape waits for its engines, under whichever name it has now."""
+    from exporter.cli import build_parser
+    _, unknown = build_parser().parse_known_args(["--engine-timeout", str(seconds)])
+    return ["--worker-timeout" if unknown else "--engine-timeout", str(seconds)]
 
 
 def owned(values: dict, url: str) -> dict[int, float]:
