@@ -84,19 +84,37 @@ def serving(text: str) -> int:
     return len(re.findall(rf"^(?:{prefixes})up\{{[^}}]*\}} 1(?:\.0)?$", text, re.MULTILINE))
 
 
-def footprint(procs: list[subprocess.Popen]) -> tuple[int, int]:
-    """(processes, bytes of PSS) of procs and their descendants: what the engines cost this machine."""
-    tree = []
+def tree(procs: list[subprocess.Popen]) -> list[psutil.Process]:
+    """procs and their descendants, as they are now."""
+    found = []
     for proc in procs:
         try:
             top = psutil.Process(proc.pid)
-            tree += [top, *top.children(recursive=True)]
+            found += [top, *top.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
+    return found
+
+
+def footprint(procs: list[subprocess.Popen]) -> tuple[int, int]:
+    """(processes, bytes of PSS) of procs and their descendants: what the engines cost this machine."""
+    processes = tree(procs)
     total = 0
-    for process in tree:
+    for process in processes:
         try:
             total += process.memory_full_info().pss
         except psutil.NoSuchProcess:
             continue
-    return len(tree), total
+    return len(processes), total
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """The CPU time the processes have spent so far (user + system)."""
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total

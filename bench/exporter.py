@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a plain script: the repository's packages, installed or not
-from engine_fleet import footprint, ledger_worker, serving, start_mixed, vllm_server  # noqa: E402
+from engine_fleet import cpu_seconds, footprint, ledger_worker, serving, start_mixed, tree, vllm_server  # noqa: E402
 
 from worker.selfcheck.processes import ProcessExited, WaitTimedOut, wait_until  # noqa: E402
 
@@ -41,6 +41,7 @@ GPUS, PROCESSES = 8, 64
 FLEET = 8  # vLLM servers, and as many ledger workers
 MIXED = 64  # engines of the mixed node
 MIXED_TARGET_MS, MIXED_RSS_MIB = 100.0, 150.0
+WARM_UP = 20  # scrapes before the measured ones: imports, caches, the engines' first connections and versions
 PEER = "peer: bare prometheus_client"
 
 PEER_CODE = """
@@ -87,7 +88,7 @@ def measure(port: int, pid: int, scrapes: int) -> tuple[list[float], float, str]
     url = f"http://127.0.0.1:{port}/metrics"
     exporter = psutil.Process(pid)
     with httpx.Client(timeout=10, trust_env=False) as client:
-        for _ in range(20):  # warm-up: imports, caches, the engines' first connections and versions
+        for _ in range(WARM_UP):
             client.get(url).raise_for_status()
         times = []
         cpu = exporter.cpu_times()
@@ -134,12 +135,14 @@ def main() -> None:
 
     procs: list[subprocess.Popen] = []
     results: dict[str, list[tuple[int, float, float, float, float, float]]] = {}
+    engines_ms: dict[str, list[float]] = {}  # mode -> the engines' own CPU ms per scrape, per run
     try:
         with tempfile.TemporaryDirectory() as tmp:
             worker = ledger_worker(procs)
             worker_pid = procs[-1].pid
             modes: dict[str, list[str]] = {}
             goals: dict[str, tuple[float, float | None]] = {}  # mode -> (p99 ms, peak RSS MiB or None)
+            fleets: dict[str, list] = {}  # mode -> the engines' processes, whose CPU per scrape is printed
             if "fleet" in chosen:
                 fleet = ["--worker-timeout", "1"]
                 for _ in range(FLEET):
@@ -163,12 +166,15 @@ def main() -> None:
                 name = f"mixed: host, {MIXED} engines of {len(set(mixed[::2]))} kinds"
                 modes[name] = [PY, "-m", "exporter", "--backend", "host", "--port", "0", *mixed]
                 goals[name] = (MIXED_TARGET_MS, MIXED_RSS_MIB)
+                fleets[name] = tree(procs[before:])
             modes[PEER] = [PY, "-c", PEER_CODE]
             for run in range(args.runs):
                 for i, (name, cmd) in enumerate(modes.items()):
                     proc, port = start(cmd, Path(tmp) / f"{run}-{i}.log")
+                    engines_cpu = cpu_seconds(fleets.get(name, []))
                     try:
                         times, cpu_ms, text = measure(port, proc.pid, args.scrapes)
+                        engines_cpu = cpu_seconds(fleets.get(name, [])) - engines_cpu
                         rss_mib = peak_rss_mib(proc.pid)
                         if name in goals and serving(text) != MIXED:  # a scrape of engines down measures less
                             sys.exit(f"{name}: {serving(text)} of {MIXED} engines serving at the last scrape")
@@ -178,6 +184,8 @@ def main() -> None:
                     series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
                     results.setdefault(name, []).append((series, percentile(times, 0.5), percentile(times, 0.99),
                                                          collect_mean_ms(text), cpu_ms, rss_mib))
+                    if name in fleets:
+                        engines_ms.setdefault(name, []).append(1000 * engines_cpu / (WARM_UP + args.scrapes))
     finally:
         for proc in procs:  # a vLLM tree's children exit when its API server does (their stdin closes)
             if proc.poll() is None:
@@ -191,7 +199,7 @@ def main() -> None:
 
     peer_p99 = statistics.median(r[2] for r in results[PEER])
     print(f"exporter scrape latency over HTTP: {args.runs} runs per mode (a fresh exporter each), "
-          f"{args.scrapes} scrapes per run after 20 warm-up; min / median / max over the runs")
+          f"{args.scrapes} scrapes per run after {WARM_UP} warm-up; min / median / max over the runs")
     print(f"{'mode':<46}{'series':>7}{'p50 ms':>22}{'p99 ms':>22}{'collect ms (mean)':>22}"
           f"{'CPU ms/scrape':>22}{'peak RSS MiB':>22}{'p99/target':>12}{'RSS/goal':>10}{'p99/peer':>10}")
     for name, runs in results.items():
@@ -204,6 +212,8 @@ def main() -> None:
           f"{MIXED_RSS_MIB:.0f} MiB (median p99/target < 1, RSS/goal of the largest peak < 1). CPU ms/scrape: "
           "the exporter process's CPU time over the measured scrapes, per scrape (the engines' own CPU not "
           "included)")
+    for name, per_run in engines_ms.items():
+        print(f"{name}: the engines' own CPU per scrape (on the same cores as the exporter), ms: {spread(per_run)}")
 
 
 if __name__ == "__main__":
