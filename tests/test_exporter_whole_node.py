@@ -22,7 +22,7 @@ from test_exporter_real_worker import worker  # noqa: F401
 from test_metrics_catalogue import conforms
 from test_vllm_plugin_real import plugin_site, vllm_peer, with_plugin  # noqa: F401
 
-from exporter.engines import sglang, vllm, vramledger
+from exporter.engines import llamacpp, ollama, sglang, tgi, triton, vllm, vramledger
 from exporter.engines.registry import kinds
 
 pytestmark = [pytest.mark.slow,
@@ -66,10 +66,12 @@ def test_one_exporter_watches_an_engine_of_every_kind(spawn, worker, with_plugin
         vllm_url: (vllm.NAME, vllm_tree, plugin["ranks"][0]["declared_bytes"] + sum(
             p["bytes"] for p in plugin["processes"]), own_metric(vllm_url, vllm.KV_USAGE)),
     }
-    usages = {"sglang": fake_engines.SGLANG_TOKEN_USAGE, "ollama": None, "llamacpp": fake_engines.LLAMACPP_KV_RATIO,
-              "tgi": fake_engines.TGI_BATCH_TOKENS / shapes.tgi_info()["max_batch_total_tokens"],
-              "triton": used / (used + free)}
-    declared = {"sglang": sglang_declared(), "ollama": model["size"]}  # size_vram on its GPUs, the rest on the host
+    usages = {sglang.NAME: fake_engines.SGLANG_TOKEN_USAGE, ollama.NAME: None,
+              llamacpp.NAME: fake_engines.LLAMACPP_KV_RATIO,
+              tgi.NAME: fake_engines.TGI_BATCH_TOKENS / shapes.tgi_info()["max_batch_total_tokens"],
+              triton.NAME: used / (used + free)}
+    # Ollama: size_vram on its GPUs, the rest of its size on the host; llama.cpp, TGI and Triton: nothing.
+    declared = {sglang.NAME: sglang_declared(), ollama.NAME: model["size"]}
     for kind, fake in fakes:
         expected[fake.url] = (kind.name, set(fake.tree), declared.get(kind.name), usages[kind.name])
     assert len(plugin["ranks"]) == 1
@@ -87,7 +89,7 @@ def test_one_exporter_watches_an_engine_of_every_kind(spawn, worker, with_plugin
         assert series.get(("kv_cache_usage_ratio", ())) == (None if kv_usage is None else pytest.approx(kv_usage)), kind
         # On the host: our worker and vLLM declare there, and so does Ollama (none of its model, here all on
         # its GPU); SGLang declares only on its GPUs, the others nowhere.
-        on_host = {vramledger.NAME: declares, vllm.NAME: declares, "ollama": model["size"] - model["size_vram"]}
+        on_host = {vramledger.NAME: declares, vllm.NAME: declares, ollama.NAME: model["size"] - model["size_vram"]}
         unaccounted = series.get(("unaccounted_memory_bytes", HOST))
         assert unaccounted == (max(0, observed - on_host[kind]) if kind in on_host else None), kind
     assert {kind.source for kind in kinds()} <= set(errors)
