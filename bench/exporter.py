@@ -6,12 +6,17 @@ Modes, each a separate exporter process, scraped one request at a time:
           workers (tests/ledger_worker.py), every one its own process on a real socket
   nvml    a fake NVML of 8 GPUs x 64 processes, one ledger worker; default --max-processes, and all
   host    the host reader on this machine, one ledger worker
+  mixed   a node's worth of engines: the host reader beside 64 engines of every kind in turn (our
+          workers, vLLM trees, and fake servers of the kinds that need a GPU, in their real shapes:
+          bench/engine_fleet.py), each its own process on a real socket, under its kind's flag
 Each mode runs --runs times (a fresh exporter each run); p50 and p99 are printed as min / median / max
-over the runs, beside the exporter's own CPU time per scrape (less sensitive to a busy machine).
+over the runs, beside the exporter's own CPU time per scrape (less sensitive to a busy machine) and
+its peak RSS over the run (VmHWM).
 
-    python bench/exporter.py [--runs 5] [--scrapes 300] [--modes fleet,nvml,host]
+    python bench/exporter.py [--runs 5] [--scrapes 300] [--modes fleet,nvml,host,mixed]
 
-Target: p99 under 50 ms, fleet mode included.
+Targets: p99 under 50 ms, fleet mode included; mixed mode, p99 under 100 ms and the exporter under
+150 MiB.
 """
 from __future__ import annotations
 
@@ -26,13 +31,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a plain script: the repository's packages, installed or not
+from engine_fleet import cpu_seconds, footprint, ledger_worker, serving, start_mixed, tree, vllm_server  # noqa: E402
+
 from worker.selfcheck.processes import ProcessExited, WaitTimedOut, wait_until  # noqa: E402
 
 PY = sys.executable
-TARGET_MS = 50.0
+TARGET_MS = 50.0  # p99 of every mode but the mixed node's
 GPUS, PROCESSES = 8, 64
 FLEET = 8  # vLLM servers, and as many ledger workers
-RECORDED = ROOT / "tests" / "data" / "vllm_spec_metrics.txt"
+MIXED = 64  # engines of the mixed node
+MIXED_TARGET_MS, MIXED_RSS_MIB = 100.0, 150.0
+WARM_UP = 20  # scrapes before the measured ones: imports, caches, the engines' first connections and versions
 PEER = "peer: bare prometheus_client"
 
 PEER_CODE = """
@@ -72,16 +81,6 @@ def start(args: list[str], log: Path) -> tuple[subprocess.Popen, int]:
     return proc, int(found.group(1))
 
 
-def start_backend(args: list[str], procs: list[subprocess.Popen]) -> str:
-    """A ledger worker or vLLM tree: started, its base URL once it prints "port N"."""
-    proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    procs.append(proc)
-    line = proc.stdout.readline().split()
-    if len(line) != 2 or line[0] != "port":
-        sys.exit(f"{args} did not start: {line}")
-    return f"http://127.0.0.1:{line[1]}"
-
-
 def measure(port: int, pid: int, scrapes: int) -> tuple[list[float], float, str]:
     """Sorted scrape latencies (ms), the exporter's CPU per scrape (ms), the last scrape's text."""
     import httpx
@@ -89,7 +88,7 @@ def measure(port: int, pid: int, scrapes: int) -> tuple[list[float], float, str]
     url = f"http://127.0.0.1:{port}/metrics"
     exporter = psutil.Process(pid)
     with httpx.Client(timeout=10, trust_env=False) as client:
-        for _ in range(20):  # warm-up: imports, caches, the engines' first connections and versions
+        for _ in range(WARM_UP):
             client.get(url).raise_for_status()
         times = []
         cpu = exporter.cpu_times()
@@ -101,6 +100,13 @@ def measure(port: int, pid: int, scrapes: int) -> tuple[list[float], float, str]
         spent = exporter.cpu_times()
     cpu_ms = 1000 * (spent.user + spent.system - cpu.user - cpu.system) / scrapes
     return sorted(times), cpu_ms, response.text
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident memory since it started (VmHWM), in MiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(found.group(1)) / 1024 if found else float("nan")
 
 
 def percentile(sorted_ms: list[float], q: float) -> float:
@@ -128,18 +134,19 @@ def main() -> None:
     chosen = set(args.modes.split(","))
 
     procs: list[subprocess.Popen] = []
-    results: dict[str, list[tuple[int, float, float, float, float]]] = {}
+    results: dict[str, list[tuple[int, float, float, float, float, float]]] = {}
+    engines_ms: dict[str, list[float]] = {}  # mode -> the engines' own CPU ms per scrape, per run
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            worker = start_backend([PY, "tests/ledger_worker.py", "--model-mib", "64"], procs)
+            worker = ledger_worker(procs)
             worker_pid = procs[-1].pid
             modes: dict[str, list[str]] = {}
+            goals: dict[str, tuple[float, float | None]] = {}  # mode -> (p99 ms, peak RSS MiB or None)
+            fleets: dict[str, list] = {}  # mode -> the engines' processes, whose CPU per scrape is printed
             if "fleet" in chosen:
                 fleet = ["--engine-timeout", "1"]
                 for _ in range(FLEET):
-                    fleet += ["--vllm", start_backend([PY, "tests/vllm_tree.py", str(RECORDED)], procs)]
-                    fleet += ["--worker", start_backend([PY, "tests/ledger_worker.py", "--model-mib", "64"],
-                                                        procs)]
+                    fleet += ["--vllm", vllm_server(procs), "--worker", ledger_worker(procs)]
                 modes[f"fleet: host, {FLEET} vLLM + {FLEET} workers"] = [
                     PY, "-m", "exporter", "--backend", "host", "--port", "0", *fleet]
             common = ["--port", "0", "--worker", worker]
@@ -150,18 +157,35 @@ def main() -> None:
                     *fake, "--max-processes", str(PROCESSES)]
             if "host" in chosen:
                 modes["host: this machine, 1 worker"] = [PY, "-m", "exporter", "--backend", "host", *common]
+            if "mixed" in chosen:
+                before = len(procs)
+                mixed = start_mixed(MIXED, procs, Path(tmp))
+                count, pss = footprint(procs[before:])
+                print(f"mixed node: {MIXED} engines in {count} processes, {pss / 2**20:.0f} MiB PSS in all",
+                      file=sys.stderr)
+                name = f"mixed: host, {MIXED} engines of {len(set(mixed[::2]))} kinds"
+                modes[name] = [PY, "-m", "exporter", "--backend", "host", "--port", "0", *mixed]
+                goals[name] = (MIXED_TARGET_MS, MIXED_RSS_MIB)
+                fleets[name] = tree(procs[before:])
             modes[PEER] = [PY, "-c", PEER_CODE]
             for run in range(args.runs):
                 for i, (name, cmd) in enumerate(modes.items()):
                     proc, port = start(cmd, Path(tmp) / f"{run}-{i}.log")
+                    engines_cpu = cpu_seconds(fleets.get(name, []))
                     try:
                         times, cpu_ms, text = measure(port, proc.pid, args.scrapes)
+                        engines_cpu = cpu_seconds(fleets.get(name, [])) - engines_cpu
+                        rss_mib = peak_rss_mib(proc.pid)
+                        if name in goals and serving(text) != MIXED:  # a scrape of engines down measures less
+                            sys.exit(f"{name}: {serving(text)} of {MIXED} engines serving at the last scrape")
                     finally:
                         proc.terminate()
                         proc.wait(timeout=10)
                     series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
                     results.setdefault(name, []).append((series, percentile(times, 0.5), percentile(times, 0.99),
-                                                         collect_mean_ms(text), cpu_ms))
+                                                         collect_mean_ms(text), cpu_ms, rss_mib))
+                    if name in fleets:
+                        engines_ms.setdefault(name, []).append(1000 * engines_cpu / (WARM_UP + args.scrapes))
     finally:
         for proc in procs:  # a vLLM tree's children exit when its API server does (their stdin closes)
             if proc.poll() is None:
@@ -175,15 +199,21 @@ def main() -> None:
 
     peer_p99 = statistics.median(r[2] for r in results[PEER])
     print(f"exporter scrape latency over HTTP: {args.runs} runs per mode (a fresh exporter each), "
-          f"{args.scrapes} scrapes per run after 20 warm-up; min / median / max over the runs")
+          f"{args.scrapes} scrapes per run after {WARM_UP} warm-up; min / median / max over the runs")
     print(f"{'mode':<46}{'series':>7}{'p50 ms':>22}{'p99 ms':>22}{'collect ms (mean)':>22}"
-          f"{'CPU ms/scrape':>22}{'p99/target':>12}{'p99/peer':>10}")
+          f"{'CPU ms/scrape':>22}{'peak RSS MiB':>22}{'p99/target':>12}{'RSS/goal':>10}{'p99/peer':>10}")
     for name, runs in results.items():
         p99 = statistics.median(r[2] for r in runs)
-        columns = "".join(f"{spread([r[i] for r in runs]):>22}" for i in (1, 2, 3, 4))
-        print(f"{name:<46}{runs[0][0]:>7}{columns}{p99 / TARGET_MS:>12.2f}{p99 / peer_p99:>10.1f}")
-    print(f"target: p99 < {TARGET_MS:.0f} ms (median p99/target < 1). CPU ms/scrape: the exporter process's "
-          "CPU time over the measured scrapes, per scrape (the engines' own CPU not included)")
+        target_ms, rss_goal = goals.get(name, (TARGET_MS, None))
+        rss = "" if rss_goal is None else f"{max(r[5] for r in runs) / rss_goal:.2f}"
+        columns = "".join(f"{spread([r[i] for r in runs]):>22}" for i in (1, 2, 3, 4, 5))
+        print(f"{name:<46}{runs[0][0]:>7}{columns}{p99 / target_ms:>12.2f}{rss:>10}{p99 / peer_p99:>10.1f}")
+    print(f"targets: p99 < {TARGET_MS:.0f} ms, mixed mode p99 < {MIXED_TARGET_MS:.0f} ms and peak RSS < "
+          f"{MIXED_RSS_MIB:.0f} MiB (median p99/target < 1, RSS/goal of the largest peak < 1). CPU ms/scrape: "
+          "the exporter process's CPU time over the measured scrapes, per scrape (the engines' own CPU not "
+          "included)")
+    for name, per_run in engines_ms.items():
+        print(f"{name}: the engines' own CPU per scrape (on the same cores as the exporter), ms: {spread(per_run)}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,17 @@ GAUGES = {
     "vramledger_engine_sizing_given_back_bytes": (
         ("KV cache bytes a vLLM rank's sizing gave back against vLLM's arithmetic (vllm charge - charged; "
          "0 with vLLM's sizing)."), RANK),
+    "vramledger_engine_token_capacity": (
+        ("Tokens the engine's KV cache holds, where the engine says: SGLang's token capacity summed over its "
+         "data-parallel ranks, TGI's max_batch_total_tokens, TensorRT-LLM's KV cache blocks x tokens per block."),
+        ("engine",)),
+    "vramledger_engine_model_declared_bytes": (
+        ("Memory an engine declares per loaded model (Ollama's /api/ps): memory=gpu its size_vram, on the GPUs "
+         "it uses; memory=host the rest of its size, in host memory."), ("engine", "model", "memory")),
+    "vramledger_engine_runtime_memory_bytes": (
+        ("Memory TensorRT-LLM says its runtime holds (Triton's nv_trt_llm_runtime_memory_metrics), per "
+         "memory_type (gpu, cpu, pinned), summed over its models: published, not declared."),
+        ("engine", "memory_type")),
 }
 PROCESS = "vramledger_device_process_memory_bytes"
 POD_LABELS = ("namespace", "pod", "container")  # --kubernetes only; empty for a process in no pod
@@ -152,6 +163,7 @@ class ExporterCollector(Collector):
                 gauges["vramledger_engine_declared_memory_bytes"].add_metric([url], joined.declared[url])
             for rank in state.ranks:
                 self._add_rank(gauges, url, rank)
+            self._add_engine_figures(gauges, url, state)
             by_role: dict[str, int] = {}
             for process in state.processes:
                 by_role[process.role] = by_role.get(process.role, 0) + process.bytes
@@ -179,6 +191,17 @@ class ExporterCollector(Collector):
                     gauges["vramledger_engine_sizing_charge_bytes"].add_metric(labels + [arithmetic], charge)
             gauges["vramledger_engine_sizing_given_back_bytes"].add_metric(
                 labels, sizing.vllm_charged_bytes - sizing.charged_bytes)
+
+    @staticmethod
+    def _add_engine_figures(gauges: dict[str, GaugeMetricFamily], url: str, state: EngineState) -> None:
+        """What engines of other kinds give beside a declaration: token capacity, models, runtime memory."""
+        if state.token_capacity is not None:
+            gauges["vramledger_engine_token_capacity"].add_metric([url], state.token_capacity)
+        for m in state.models:
+            gauges["vramledger_engine_model_declared_bytes"].add_metric([url, m.model, "gpu"], m.device_bytes)
+            gauges["vramledger_engine_model_declared_bytes"].add_metric([url, m.model, "host"], m.host_bytes)
+        for memory_type, size in state.runtime_memory:
+            gauges["vramledger_engine_runtime_memory_bytes"].add_metric([url, memory_type], size)
 
     def _guard(self, source: str, read, fallback):
         # One failing source must not take the others' series down with it.

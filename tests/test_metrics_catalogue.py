@@ -9,6 +9,7 @@ import sys
 
 import httpx
 import pytest
+from fake_engines import every_kind
 from fake_pynvml import FakeGpu, FakePynvml, proc
 from metric_catalogue import catalogue
 from prometheus_client import CollectorRegistry, generate_latest
@@ -88,7 +89,8 @@ def test_a_live_worker_and_exporter_publish_the_catalogue(worker, spawn, tmp_pat
 
 def test_the_conditional_exporter_families(monkeypatch, spawn, tmp_path, api, clock):  # noqa: F811
     """NVML's reserved memory, a vLLM rank's ledger (the plugin's, recorded on its CUDA path) and its
-    server's other processes (recorded from vLLM's CPU build), pod labels."""
+    server's other processes (recorded from vLLM's CPU build), pod labels; what the engines of the other
+    kinds give (fakes in their shapes, tests/fake_engines.py)."""
     ledger = tmp_path / "ledger.json"
     ledger.write_text(json.dumps(json.loads(NEIGHBOUR.read_text())
                                  | {"processes": json.loads(CPU_LEDGER.read_text())["processes"]}))
@@ -98,7 +100,9 @@ def test_the_conditional_exporter_families(monkeypatch, spawn, tmp_path, api, cl
                                                                    processes=[proc(rank, "VLLM::Worker", 3)])]))
     errors, client = ErrorLog(), HttpClient(5)
     registry = CollectorRegistry()
-    registry.register(ExporterCollector(NvmlSource.open(errors), Engines([VllmEngine(url, client, errors)], errors),
+    others = [kind.adapter(fake.url, client, errors, None) for kind, fake in every_kind(spawn, tmp_path)]
+    registry.register(ExporterCollector(NvmlSource.open(errors),
+                                        Engines([VllmEngine(url, client, errors), *others], errors),
                                         errors, pods=directory(api, clock)))
     emitted = conforms("exporter", generate_latest(registry).decode())
     client.close()

@@ -26,9 +26,17 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class ModelMemory:
+    """One model an engine holds loaded (Ollama's /api/ps): its bytes on the GPUs it uses, and on the host."""
+    model: str
+    device_bytes: int
+    host_bytes: int
+
+
+@dataclass(frozen=True)
 class EngineState:
     """One engine as read in one scrape; what it declares is the first of: declared_bytes, its ranks'
-    ledgers, declared_share."""
+    ledgers, its loaded models, declared_share."""
     pids: frozenset[int]  # host pids of every process it runs (NVML reports host pids)
     info: EngineInfo
     kv_usage: float | None = None  # fraction of its KV cache in use, in [0, 1]
@@ -40,6 +48,11 @@ class EngineState:
     # True where pids are only the engine's word: no process behind its port (or in its pod) could be
     # seen to check them against. Pids found there are the engine's before any such claim.
     claimed: bool = False
+    models: tuple[ModelMemory, ...] = ()  # or the models it holds loaded, each declared (Ollama)
+    token_capacity: int | None = None  # tokens its KV cache holds, where the engine says
+    # Memory the engine reports of its runtime, by type (TensorRT-LLM's gpu, cpu, pinned): published, not
+    # declared, as it is only part of what the engine holds.
+    runtime_memory: tuple[tuple[str, int], ...] = ()
 
     def declared_on(self, device: DeviceMemory) -> int | None:
         """What it declares on one device; None when it declares nothing there."""
@@ -49,7 +62,15 @@ class EngineState:
             here = [r.declared_bytes for r in self.ranks if r.on(device)]
             if device.device == HOST:
                 here += [p.bytes for p in self.processes]
+            elif unplaced := [r.declared_bytes for r in self.ranks
+                              if r.device_kind == "cuda" and r.device_uuid is None]:
+                # A rank that cannot say its GPU (SGLang's never do) is on one of the GPUs the engine's
+                # processes use, one rank each: the largest is what any of them may declare there, so
+                # what is unaccounted on a GPU is never more than the truth.
+                here.append(max(unplaced))
             return sum(here) if here else None
+        if self.models:  # which of its GPUs holds which model the engine does not say: all of it on each
+            return sum(m.host_bytes if device.device == HOST else m.device_bytes for m in self.models)
         if self.declared_share is not None and device.device != HOST:  # a GPU's share, never the host's
             return math.ceil(self.declared_share * device.total)  # vLLM's rounding (request_memory)
         return None
@@ -63,6 +84,9 @@ class EngineState:
             on_host = any(dev.device == HOST for dev in used)
             others = sum(p.bytes for p in self.processes) if on_host else 0
             return sum(r.declared_bytes for r in self.ranks) + others
+        if self.models:  # its models on its GPUs, and on the host where the host is read
+            on_host = any(dev.device == HOST for dev in used)
+            return sum(m.device_bytes + (m.host_bytes if on_host else 0) for m in self.models)
         shares = [self.declared_on(dev) for dev in used]
         known = [share for share in shares if share is not None]
         return sum(known) if known and len(known) == len(shares) else None

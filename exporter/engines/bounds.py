@@ -17,6 +17,8 @@ PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT on 64-bit: the most /proc/sys/ke
 MAX_LABEL = 256  # characters of a label value an engine names (a model path, a version, a component)
 MAX_RANKS = 1024  # ranks of one server's ledger, and the highest rank number; its other processes
 MAX_ENTRIES = 256  # entries of one rank's ledger (each a series)
+MAX_MODELS = 256  # models one engine holds loaded (each a series), and kinds of runtime memory it reports
+MAX_TOKENS = 1 << 40  # tokens of a KV cache: a PiB of memory at a byte per token is fewer
 _SHOWN = 60  # characters of a refused value a message repeats
 
 
@@ -51,6 +53,11 @@ def check_fraction(value: float | None, what: str, low_open: bool = False) -> No
         raise OutOfBounds(f"{what} {shown(value)} is no fraction in {'(0' if low_open else '[0'}, 1]")
 
 
+def check_count(value: int | None, most: int, what: str) -> None:
+    if value is not None and not 0 <= value <= most:
+        raise OutOfBounds(f"{what} {shown(value)} is beyond 0..{most}")
+
+
 def check_state(state: EngineState) -> None:
     """Raises OutOfBounds for the first value of an engine's state beyond its bounds."""
     for pid in state.pids:
@@ -71,6 +78,17 @@ def check_state(state: EngineState) -> None:
         if not is_pid(process.pid):
             raise OutOfBounds(f"{process.role} pid {shown(process.pid)} is beyond the kernel's 1..{PID_MAX}")
         check_bytes(process.bytes, f"{process.role} bytes")
+    check_count(state.token_capacity, MAX_TOKENS, "token capacity")
+    for what, listed in (("models", state.models), ("runtime memory types", state.runtime_memory)):
+        if len(listed) > MAX_MODELS:
+            raise OutOfBounds(f"{len(listed)} {what}, beyond {MAX_MODELS}")
+    for model in state.models:
+        check_label(model.model, "model")
+        check_bytes(model.device_bytes, f"{model.model[:MAX_LABEL]}: bytes on its GPUs")
+        check_bytes(model.host_bytes, f"{model.model[:MAX_LABEL]}: bytes on the host")
+    for memory_type, size in state.runtime_memory:
+        check_label(memory_type, "memory type")
+        check_bytes(size, f"{memory_type[:MAX_LABEL]} runtime memory")
 
 
 def _check_rank(rank: RankLedger) -> None:

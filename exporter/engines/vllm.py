@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
-
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from exporter.engines.base import EngineInfo, EngineState, Loading, NotServing, Unreachable, Wrong
 from exporter.engines.bounds import OutOfBounds, shown
 from exporter.engines.fetch import HttpClient, fetch
 from exporter.engines.kinds import EngineKind
+from exporter.engines.promtext import line_samples, sample_lines
 from exporter.engines.vllm_ledger import LedgerReader
 from exporter.engines.wrong_kind import other_kind
 from exporter.errors import ErrorLog
@@ -30,11 +27,8 @@ from exporter.processes import Locator, NotFound, PortLocator
 NAME = "vllm"
 SOURCE = "vllm"
 # The only series read; a vLLM /metrics is ~60 KB, mostly histograms, so the other lines are skipped
-# unparsed (found with bytes.find rather than split: a tenth of the cost).
+# unparsed (promtext.py).
 CONFIG, KV_USAGE = "vllm:cache_config_info", "vllm:kv_cache_usage_perc"
-# The longest of those lines parsed (vLLM's config line is about 1 KB): the text parser reads a
-# character at a time, so a megabyte label would cost the exporter seconds of CPU each scrape.
-MAX_LINE = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -55,24 +49,6 @@ class VllmMetrics:
         return self.gpu_memory_utilization
 
 
-def sample_lines(text: bytes, names: tuple[str, ...]) -> list[str]:
-    """The sample lines of the named series in a Prometheus text, without splitting all of it."""
-    text = b"\n" + text
-    found = []
-    for name in names:
-        start_of = b"\n" + name.encode()
-        start = text.find(start_of)
-        while start >= 0:
-            end = text.find(b"\n", start + 1)
-            line = text[start + 1:None if end < 0 else end]
-            if line[len(start_of) - 1:len(start_of)] in (b"{", b" "):  # not a longer name
-                if len(line) > MAX_LINE:
-                    raise OutOfBounds(f"a {name} line of {len(line)} bytes, beyond {MAX_LINE}")
-                found.append(line.decode("utf-8", "replace"))
-            start = text.find(start_of, start + 1)
-    return found
-
-
 def parse_metrics(text: bytes | str) -> VllmMetrics:
     """The series the exporter uses from a vLLM /metrics text; raises ValueError when it has none.
 
@@ -84,7 +60,7 @@ def parse_metrics(text: bytes | str) -> VllmMetrics:
     config: dict[str, str] = {}
     model = ""
     for line in lines:
-        for sample in _samples(line):
+        for sample in line_samples(line):  # the config line never changes while a server runs
             model = model or sample.labels.get("model_name", "")
             if sample.name == CONFIG:
                 config = sample.labels
@@ -99,12 +75,6 @@ def parse_metrics(text: bytes | str) -> VllmMetrics:
         num_gpu_blocks=_number(config.get("num_gpu_blocks"), int),
         block_size=_number(config.get("block_size"), int),
         kv_usage=max(kv, default=None))
-
-
-@lru_cache(maxsize=1024)
-def _samples(line: str) -> tuple[Sample, ...]:
-    # Parsed once while unchanged: the config line never changes while a server runs.
-    return tuple(s for family in text_string_to_metric_families(line + "\n") for s in family.samples)
 
 
 def _number(text: str | None, kind):
