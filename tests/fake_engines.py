@@ -143,9 +143,7 @@ def every_kind(spawn, tmp_path: Path) -> list[tuple[object, FakeEngine]]:
     return [(kind, FakeEngine(spawn, tmp_path, answers, children=1)) for kind, answers in kind_routes()]
 
 
-# The exporter's per-engine families and the label naming the engine's URL, under either of their names
-# (vramledger_worker_*{worker} as first published, vramledger_engine_*{engine}).
-ENGINE_FAMILIES = (("vramledger_worker_", "worker"), ("vramledger_engine_", "engine"))
+ENGINE_PREFIX = "vramledger_engine_"  # the exporter's per-engine families, labelled engine=URL
 PROCESS = "vramledger_device_process_memory_bytes"
 
 
@@ -154,32 +152,23 @@ def of_engine(values: dict, url: str) -> dict[tuple[str, tuple], float]:
     its other labels): value}; its info series left out (its labels are read from the state instead)."""
     out = {}
     for (name, labels), value in values.items():
-        for prefix, label in ENGINE_FAMILIES:
-            rest = dict(labels)
-            if name.startswith(prefix) and rest.pop(label, None) == url and not name.endswith("_info"):
-                out[name.removeprefix(prefix), tuple(sorted(rest.items()))] = value
+        rest = dict(labels)
+        if name.startswith(ENGINE_PREFIX) and rest.pop("engine", None) == url and not name.endswith("_info"):
+            out[name.removeprefix(ENGINE_PREFIX), tuple(sorted(rest.items()))] = value
     return out
 
 
 def kind_of(values: dict, url: str) -> str:
-    """The kind the engine's info series gives: its label engine while the URL is in worker (as first
-    published), its label kind once the family is vramledger_engine_info{engine}."""
-    [info] = [dict(labels) for (name, labels) in values for prefix, label in ENGINE_FAMILIES
-              if name == prefix + "info" and dict(labels).get(label) == url]
-    return info["kind"] if "kind" in info else info["engine"]
-
-
-def engine_timeout(seconds: float) -> list[str]:
-    """The exporter's flag for how long a scrape waits for its engines, under whichever name it has now."""
-    from exporter.cli import build_parser
-    _, unknown = build_parser().parse_known_args(["--engine-timeout", str(seconds)])
-    return ["--worker-timeout" if unknown else "--engine-timeout", str(seconds)]
+    """The kind vramledger_engine_info gives the engine at url."""
+    [info] = [dict(labels) for (name, labels) in values
+              if name == ENGINE_PREFIX + "info" and dict(labels).get("engine") == url]
+    return info["kind"]
 
 
 def owned(values: dict, url: str) -> dict[int, float]:
     """{pid: bytes} of the device processes attributed to the engine at url."""
     return {int(dict(labels)["pid"]): value for (name, labels), value in values.items()
-            if name == PROCESS and url in (dict(labels).get("worker"), dict(labels).get("engine"))}
+            if name == PROCESS and dict(labels).get("engine") == url}
 
 
 if __name__ == "__main__":

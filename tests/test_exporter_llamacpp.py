@@ -45,7 +45,7 @@ def test_attributed_with_no_declaration_so_no_unaccounted_series(monkeypatch, sp
 def test_identity_and_kv_usage_where_its_build_serves_it(spawn, tmp_path):  # noqa: F811
     fake = llamacpp(spawn, tmp_path, metrics=llamacpp_metrics(kv_cache_usage_ratio=0.375))
     state = read_one(adapter(fake.url)).state
-    assert (state.info.engine, state.info.version, state.info.model) == (
+    assert (state.info.kind, state.info.version, state.info.model) == (
         "llamacpp", "b6712-4f8d3b2e", "Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf")
     assert state.kv_usage == 0.375 and state.pids == fake.tree
     assert state.declared_total([]) is None and state.token_capacity is None

@@ -56,7 +56,7 @@ def test_the_server_over_a_socket(spawn, tmp_path):  # noqa: F811
     assert reading.status is Status.SERVING, reading.reason
     state = reading.state
     assert state.pids == fake.tree  # `ollama serve` and its runner
-    assert (state.info.engine, state.info.version, state.info.model) == ("ollama", "0.12.3", "llama3.1:70b")
+    assert (state.info.kind, state.info.version, state.info.model) == ("ollama", "0.12.3", "llama3.1:70b")
     assert state.models == (ModelMemory("llama3.1:70b", 22 * GiB, 18 * GiB),) and state.kv_usage is None
     assert errors.counts() == {}
 

@@ -72,7 +72,7 @@ def test_the_server_over_a_socket_its_processes_and_kv_usage(spawn, tmp_path):  
     state = reading.state
     assert state.pids == fake.tree  # the process behind its port and its children (its schedulers)
     assert state.kv_usage == 0.625  # the fullest scheduler
-    assert (state.info.engine, state.info.version, state.info.model) == ("sglang", "0.5.3", MODEL)
+    assert (state.info.kind, state.info.version, state.info.model) == ("sglang", "0.5.3", MODEL)
     assert state.token_capacity == 428_000 and errors.counts() == {}
 
 

@@ -50,7 +50,7 @@ def test_a_router_without_a_launcher_is_its_own_tree(spawn, tmp_path):  # noqa: 
     fake = tgi(spawn, tmp_path, children=1)
     state = read_one(adapter(fake.url)).state
     assert state.pids == fake.tree == {fake.pid, *fake.children}
-    assert (state.info.engine, state.info.version, state.info.model) == (
+    assert (state.info.kind, state.info.version, state.info.model) == (
         "tgi", "3.3.4", "meta-llama/Llama-3.1-8B-Instruct")
     assert state.kv_usage is None  # no batch has run yet: no tgi_batch_current_max_tokens
     assert state.token_capacity == 163_840

@@ -49,7 +49,7 @@ def test_blocks_give_usage_and_capacity_runtime_memory_is_published(monkeypatch,
 
 def test_identity_is_its_model(spawn, tmp_path):  # noqa: F811
     state = read_one(adapter(triton(spawn, tmp_path, triton_metrics()).url)).state
-    assert (state.info.engine, state.info.version, state.info.model) == ("triton", "", "tensorrt_llm")
+    assert (state.info.kind, state.info.version, state.info.model) == ("triton", "", "tensorrt_llm")
 
 
 def test_loading_until_its_model_serves_then_down(spawn, tmp_path):  # noqa: F811

@@ -14,7 +14,7 @@ import fake_engines
 import httpx
 import psutil
 import pytest
-from fake_engines import engine_timeout, every_kind, kind_of, of_engine, owned
+from fake_engines import every_kind, kind_of, of_engine, owned
 from prometheus_client.parser import text_string_to_metric_families
 from test_exporter_host import spawn, start_exporter  # noqa: F401
 from test_exporter_nvml import split_samples
@@ -50,7 +50,7 @@ def test_one_exporter_watches_an_engine_of_every_kind(spawn, worker, with_plugin
     fakes = every_kind(spawn, tmp_path)
     flags = [arg for kind, fake in fakes for arg in (kind.flag, fake.url)]
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", worker_url,
-                             "--vllm", vllm_url, *flags, *engine_timeout(10))
+                             "--vllm", vllm_url, *flags, "--engine-timeout", "10")
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     values, errors = split_samples(text_string_to_metric_families(text))
 
