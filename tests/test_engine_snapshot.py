@@ -80,6 +80,11 @@ def test_metrics_and_v1_memory_report_the_published_snapshot(checkpoints):
                     client.get("/v1/memory").json()["kv_cache"]["blocks_used"])
 
         assert engine.blocks.num_used == 3 and published() == (0, 0)
+        stray = Sequence("stray", [1, 2], SamplingParams())
+        engine.scheduler.waiting.append(stray)  # the queue changes too: admission and /metrics see none
+        waiting = metric_value(client.get("/metrics").text, "vramledger_requests_waiting")
+        assert (app.state.server.engine_loop.num_waiting(), waiting) == (0, 0)
+        engine.scheduler.waiting.remove(stray)  # before a step would run it: the engine never added it
         done = client.post("/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 3})
         assert done.status_code == 200
         # The request's steps published the pool: its own blocks went back, the held ones stay.
