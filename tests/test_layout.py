@@ -110,3 +110,21 @@ def test_the_shared_package_imports_neither_side():
                   if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
         forbidden = {"worker", "exporter"} | ({"torch"} if path.parent == ROOT / "vramledger" else set())
         assert not {n.split(".")[0] for n in names} & forbidden, path
+
+
+# The engine's parts that its thread changes mid-step; the server reads the engine's snapshot instead.
+ENGINE_PARTS = {"scheduler", "runner", "blocks", "stats", "speculation", "ledger"}
+ENGINE_PART_MODULES = {"worker.engine.scheduler", "worker.engine.block_manager", "worker.engine.model_runner",
+                       "worker.engine.speculation"}
+
+
+def test_the_server_never_reads_the_engines_parts():
+    """worker/http reads the engine's published snapshot (worker/engine/snapshot.py), never its
+    scheduler, block pool, runner or counters, which the engine thread changes while others read."""
+    wrong = []
+    for path in (ROOT / "worker" / "http").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        wrong += [f"{path.name}:{node.lineno} .{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS]
+        wrong += [f"{path.name} imports {name}" for name in imports(path) if name in ENGINE_PART_MODULES]
+    assert wrong == []

@@ -22,6 +22,7 @@ from worker.engine.sampler import RowParams, draw, propose, top_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
+from worker.engine.snapshot import EngineSnapshot, publishes
 from worker.engine.spec_decode import verify_logits
 from worker.engine.speculation import CATCH_UP_AFTER, speculation_policy
 from worker.engine.startup import StartupPhases
@@ -92,8 +93,6 @@ class LLMEngine:
                                    self.runner.attention_span(), 64 if self.device.kind == "cpu" else None)
         self.speculation = speculation_policy(config.speculation, self.max_k)
         self.stats = EngineStats(num_speculative_tokens=self.max_k, current_speculative_tokens=self.max_k)
-        self.ledger.blocks_used = lambda: self.blocks.num_used
-        self.ledger.blocks_cached = lambda: self.blocks.num_cached
         self.eos_token_ids = eos_ids(self.tokenizer, target.config)
         self.vocab_size = target.config.vocab_size
         self._token_texts = TokenTexts(self.tokenizer)
@@ -104,6 +103,7 @@ class LLMEngine:
         self._shared_generator = torch.Generator(self.device.torch_device).manual_seed(config.seed)
         self._ids = itertools.count()
         self._last_rows: tuple[list[Sequence], RowParams] | None = None
+        self.publish_snapshot()
 
     def _load(self, role: str, path: str) -> CausalLM:
         pack = not self.config.compile  # inductor packs plain weights itself (compiled.py)
@@ -113,11 +113,22 @@ class LLMEngine:
         self.ledger.record("weights", nbytes, model=role)
         return model
 
-    def memory_report(self) -> LedgerDocument:
-        """The ledger document of docs/ledger.md, with live figures measured now."""
-        return self.ledger.to_dict()
+    def publish_snapshot(self) -> None:
+        """Hand other threads the engine's counts (snapshot.py): one assignment, atomic in CPython."""
+        self.snapshot = EngineSnapshot.of(self.scheduler, self.blocks, self.stats)
+
+    def memory_report(self, snapshot: EngineSnapshot | None = None) -> LedgerDocument:
+        """The ledger document of docs/ledger.md: its blocks from `snapshot` (the latest published when
+        None), the process's memory measured now. The ledger itself is complete once the engine loads."""
+        snapshot = self.snapshot if snapshot is None else snapshot
+        return self.ledger.to_dict(blocks_used=snapshot.blocks_used, blocks_cached=snapshot.blocks_cached)
+
+    def on_compute(self, callback: Callable[[], None]) -> None:
+        """`callback` runs as each step's one-call kernel starts (ModelRunner.on_compute)."""
+        self.runner.on_compute(callback)
 
     # -- requests ---------------------------------------------------------------------
+    @publishes
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, group: str = "") -> str:
         """Queue a request; `group` names the request it is one choice of (the scheduler never lets
@@ -142,6 +153,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    @publishes
     def abort_request(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
         if seq is not None:
@@ -152,6 +164,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- one step ---------------------------------------------------------------------
+    @publishes
     def step(self, early: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One step's outputs. `early`, when given, receives the outputs of a speculative step's prompt
         chunks before its proposals and verification run: their first tokens need not wait for them."""

@@ -1,8 +1,10 @@
 """The one thread that owns the engine: it loads it, then adds, aborts and steps requests.
 
 The engine is not thread-safe. The asyncio side never touches it: it sends commands through a
-queue guarded by a condition (the thread sleeps on it when idle) and receives each step's outputs
-through `loop.call_soon_threadsafe`, one call per step, into one asyncio.Queue per request.
+queue guarded by a condition (the thread sleeps on it when idle), receives each step's outputs
+through `loop.call_soon_threadsafe`, one call per step, into one asyncio.Queue per request, and
+reads queue lengths and blocks from the snapshot the engine publishes after each change
+(worker/engine/snapshot.py), never from its scheduler, block pool or runner.
 
 On the CPU a step's outputs are posted as the next step's one-call kernel starts, where it leaves a
 core free (ModelRunner.on_compute), not as the step ends: the event loop's work on them (a chunk for
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from worker.engine.outputs import RequestOutput
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.snapshot import EngineSnapshot
 from worker.http.metrics import RequestMetrics
 
 if TYPE_CHECKING:
@@ -109,8 +112,13 @@ class EngineLoop:
         return self._pending_adds
 
     def num_waiting(self) -> int:
+        snapshot = self.snapshot()
+        return self._pending_adds + (snapshot.requests_waiting if snapshot is not None else 0)
+
+    def snapshot(self) -> EngineSnapshot | None:
+        """The engine's latest published state (worker/engine/snapshot.py); None while it loads."""
         engine = self.engine
-        return self._pending_adds + (len(engine.scheduler.waiting) if engine is not None else 0)
+        return engine.snapshot if engine is not None else None
 
     def _send(self, command: tuple, add: bool = False) -> None:
         with self._wake:
@@ -157,7 +165,7 @@ class EngineLoop:
             log.info("the server stopped while the engine loaded")
             return
         self.engine = engine
-        engine.runner.on_compute(self._on_compute)
+        engine.on_compute(self._on_compute)
         log.info("engine ready in %.1f s", time.monotonic() - started)
         try:
             while (commands := self._next_commands()) is not None:

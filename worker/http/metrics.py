@@ -1,12 +1,15 @@
 """Every Prometheus metric of the worker, in one place.
 
 Two kinds: what the engine already knows (the ledger, KV blocks, queues, cumulative token and
-speculative-decoding counters) is read when scraped by `EngineCollector`; what only shows as
+speculative-decoding counters) is read when scraped by `EngineCollector`, from one snapshot the
+engine published (worker/engine/snapshot.py), so a scrape's figures are of one moment and never
+read the engine's parts while its thread changes them; what only shows as
 requests progress (latencies, outcomes, per-request acceptance) is observed by `RequestMetrics`
 on the engine thread. No prompt or completion text ever enters a metric.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,7 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from vramledger.ledger_document import LedgerDocument
 from worker.engine.outputs import RequestOutput
+from worker.engine.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
     from worker.engine.llm_engine import LLMEngine
@@ -68,18 +73,27 @@ class EngineCollector(Collector):
         engine = self._engine()
         if engine is None:
             return
+        snapshot = engine.snapshot  # taken once: every figure of this scrape is of the same moment
+        report = functools.partial(engine.memory_report, snapshot)
+        sources: dict[str, Callable[[], Iterator[Metric]]] = {
+            "ledger": lambda: self._ledger(report()),
+            "kv_cache": lambda: self._kv_cache(snapshot),
+            "queues": lambda: self._queues(snapshot),
+            "counters": lambda: self._counters(snapshot),
+            "speculation": lambda: self._speculation(snapshot),
+            "serving_info": self._serving_info,
+            "startup_phases": self._startup_phases,
+        }
         # Each source on its own: a failing ledger read must not hide the queue gauges.
-        for source in (self._ledger, self._kv_cache, self._queues, self._counters, self._speculation,
-                       self._serving_info, self._startup_phases):
+        for name, source in sources.items():
             try:
-                yield from list(source(engine))
+                yield from list(source())
             except Exception:  # a scrape never fails as a whole
-                if source.__name__ not in self._failed:
-                    self._failed.add(source.__name__)
-                    log.exception("metrics source %s failed; its metrics are left out", source.__name__)
+                if name not in self._failed:
+                    self._failed.add(name)
+                    log.exception("metrics source %s failed; its metrics are left out", name)
 
-    def _ledger(self, engine: LLMEngine) -> Iterator[Metric]:
-        report = engine.memory_report()
+    def _ledger(self, report: LedgerDocument) -> Iterator[Metric]:
         memory = GaugeMetricFamily("vramledger_memory_bytes", "Memory the ledger declares, per component "
                                    "and model (weights per model; other components have model=\"\").",
                                    labels=("component", "model"))
@@ -100,56 +114,53 @@ class EngineCollector(Collector):
                                "max(0, process memory - declared memory), measured now.",
                                live["unaccounted_bytes"])
 
-    def _kv_cache(self, engine: LLMEngine) -> Iterator[Metric]:
-        blocks = engine.blocks
-        total, used, cached = blocks.num_blocks, blocks.num_used, blocks.num_cached
+    def _kv_cache(self, snapshot: EngineSnapshot) -> Iterator[Metric]:
+        total, used, cached = snapshot.blocks_total, snapshot.blocks_used, snapshot.blocks_cached
         yield gauge("vramledger_kv_cache_blocks", "KV cache blocks allocated at start (constant).", total)
         yield gauge("vramledger_kv_cache_blocks_used", "KV cache blocks held by requests.", used)
         yield gauge("vramledger_kv_cache_blocks_cached", "KV cache blocks no request holds that keep a full "
                     "block of an earlier prompt for requests that start alike (evicted least recently used "
                     "first when fresh blocks run out).", cached)
         yield gauge("vramledger_kv_cache_blocks_free",
-                    "KV cache blocks holding nothing (blocks - used - cached).", total - used - cached)
+                    "KV cache blocks holding nothing (blocks - used - cached).", snapshot.blocks_free)
         yield gauge("vramledger_kv_cache_usage_ratio", "Share of the KV cache blocks in use.",
                     used / total if total else 0.0)
 
-    def _queues(self, engine: LLMEngine) -> Iterator[Metric]:
-        scheduler = engine.scheduler
-        yield gauge("vramledger_requests_running", "Requests in the running batch.", len(scheduler.running))
+    def _queues(self, snapshot: EngineSnapshot) -> Iterator[Metric]:
+        yield gauge("vramledger_requests_running", "Requests in the running batch.", snapshot.requests_running)
         yield gauge("vramledger_requests_waiting", "Requests waiting for admission (or readmission).",
-                    len(scheduler.waiting) + self._pending())
+                    snapshot.requests_waiting + self._pending())
 
-    def _counters(self, engine: LLMEngine) -> Iterator[Metric]:
-        stats = engine.stats
+    def _counters(self, snapshot: EngineSnapshot) -> Iterator[Metric]:
         yield counter("vramledger_preemptions", "Requests preempted to free KV blocks (recomputed later).",
-                      engine.scheduler.num_preemptions)
+                      snapshot.preemptions)
         yield counter("vramledger_prompt_tokens", "Prompt tokens prefilled (recomputation included; tokens "
                       "found in the prefix cache left out).",
-                      stats.prompt_tokens)
-        yield counter("vramledger_generation_tokens", "Tokens generated.", stats.generation_tokens)
+                      snapshot.prompt_tokens)
+        yield counter("vramledger_generation_tokens", "Tokens generated.", snapshot.generation_tokens)
         yield counter("vramledger_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                       "(each admission, readmissions after preemption included).",
-                      engine.blocks.queried_tokens)
+                      snapshot.prefix_cache_queries)
         yield counter("vramledger_prefix_cache_hits", "Of the prompt tokens looked up, those found in the "
-                      "prefix cache (not computed again).", engine.blocks.hit_tokens)
+                      "prefix cache (not computed again).", snapshot.prefix_cache_hits)
         yield counter("vramledger_spec_decode_drafts", "Draft proposals verified (one per request per "
-                      "speculative step).", stats.drafts)
-        yield counter("vramledger_spec_decode_draft_tokens", "Draft tokens proposed.", stats.draft_tokens)
+                      "speculative step).", snapshot.drafts)
+        yield counter("vramledger_spec_decode_draft_tokens", "Draft tokens proposed.", snapshot.draft_tokens)
         yield counter("vramledger_spec_decode_accepted_tokens", "Draft tokens the target accepted.",
-                      stats.accepted_tokens)
+                      snapshot.accepted_tokens)
         per_position = CounterMetricFamily("vramledger_spec_decode_accepted_tokens_per_position",
                                            "Drafts whose token at this position (0-based) was accepted.",
                                            labels=("position",))
-        for position, accepted in enumerate(stats.accepted_per_position):
+        for position, accepted in enumerate(snapshot.accepted_per_position):
             per_position.add_metric((str(position),), accepted)
         yield per_position
 
-    def _speculation(self, engine: LLMEngine) -> Iterator[Metric]:
+    def _speculation(self, snapshot: EngineSnapshot) -> Iterator[Metric]:
         yield gauge("vramledger_spec_decode_num_speculative_tokens", "Draft tokens proposed per request "
                     "per decode step, as the speculation policy last chose (probes aside); at most "
-                    "--num-speculative-tokens, 0 for plain steps.", engine.stats.current_speculative_tokens)
+                    "--num-speculative-tokens, 0 for plain steps.", snapshot.current_speculative_tokens)
 
-    def _serving_info(self, engine: LLMEngine) -> Iterator[Metric]:
+    def _serving_info(self) -> Iterator[Metric]:
         info = self._info()
         if info is None:
             return
@@ -160,8 +171,7 @@ class EngineCollector(Collector):
                            info.version), 1)
         yield family
 
-
-    def _startup_phases(self, engine: LLMEngine) -> Iterator[Metric]:
+    def _startup_phases(self) -> Iterator[Metric]:
         family = GaugeMetricFamily("vramledger_startup_seconds", "Seconds each start-up phase took (imports, "
                                    "tokenizer, weights per model, kernels, memory profile, KV cache, server).",
                                    labels=("phase",))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vramledger.identity import ProcessIdentity
@@ -42,8 +41,6 @@ class Ledger:
     block_size: int = 0
     bytes_per_block: int = 0
     blocks_total: int = 0
-    blocks_used: int | Callable[[], int] = 0  # the engine may set a callable on its block pool
-    blocks_cached: int | Callable[[], int] = 0  # held by no request, kept for the prefixes they hold
     max_model_len: int = 0
     num_speculative_tokens: int = 0
     worker: ProcessIdentity = field(default_factory=ProcessIdentity.current)
@@ -99,18 +96,12 @@ class Ledger:
         per_seq = blocks_per_sequence(self.max_model_len, self.block_size, self.num_speculative_tokens)
         return self.blocks_total / per_seq
 
-    def current_blocks_used(self) -> int:
-        return int(self.blocks_used() if callable(self.blocks_used) else self.blocks_used)
-
-    def current_blocks_cached(self) -> int:
-        return int(self.blocks_cached() if callable(self.blocks_cached) else self.blocks_cached)
-
-    def to_dict(self, process_bytes: int | None = None, blocks_used: int | None = None,
-                blocks_cached: int | None = None) -> LedgerDocument:
-        """The ledger document of docs/ledger.md; live values are read now unless given."""
+    def to_dict(self, process_bytes: int | None = None, blocks_used: int = 0,
+                blocks_cached: int = 0) -> LedgerDocument:
+        """The ledger document of docs/ledger.md with the blocks in use and cached as given (the
+        engine's published counts), and the process's memory measured now unless given."""
         process = self.device.process_bytes() if process_bytes is None else int(process_bytes)
-        used = self.current_blocks_used() if blocks_used is None else int(blocks_used)
-        cached = self.current_blocks_cached() if blocks_cached is None else int(blocks_cached)
+        used, cached = int(blocks_used), int(blocks_cached)
         declared = self.declared_bytes
         d = self.device
         return {
