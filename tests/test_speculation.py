@@ -165,8 +165,57 @@ def test_probes_notice_when_a_step_gets_cheaper(policy):
     drive(spec, clock, 200, 8, step_cost(1.0, 1.0, 1.0), 0.8, random.Random(7))
     assert spec.current == 0
     # The load on the device changes: proposals become cheap; only steps that measure them can tell.
-    drive(spec, clock, 400, 8, step_cost(0.02, 1.0, 0.02), 0.8, random.Random(7))
+    # The estimates left them far behind plain: the dormant bucket probes at its longest interval.
+    drive(spec, clock, MAX_PROBE_EVERY + 400, 8, step_cost(0.02, 1.0, 0.02), 0.8, random.Random(7))
     assert spec.current == K
+
+
+def test_a_dormant_bucket_skips_probes_while_proposals_are_far_behind(policy):
+    spec, clock = policy
+    chosen = drive(spec, clock, 3 * MAX_PROBE_EVERY, 8, step_cost(1.0, 1.0, 1.0), 0.8, random.Random(7))
+    probes = [i for i, k in enumerate(chosen) if k][2:]  # after the two steps that first measure K
+    # Each probe would read every token since the last: none until the longest interval, then at it.
+    assert probes and min(probes) > MAX_PROBE_EVERY // 2
+    starts = [i for i in probes if i - 1 not in probes]
+    assert all(b - a >= MAX_PROBE_EVERY - 2 for a, b in zip(starts, starts[1:]))
+    assert spec.current == 0
+
+
+@pytest.mark.parametrize("prompt_per_token, proposes", [(0.25, True), (32.0, False)])
+def test_the_drafts_reading_of_prompts_is_charged_to_proposals(policy, prompt_per_token, proposes):
+    """Short prompts with long completions leave proposals ahead; long prompts with short ones do not,
+    since the draft must read each prompt before proposing for it (here reading a token costs 0.1 of
+    a plain step's time per row)."""
+    spec, clock = policy
+    spec.observe_read(1000, 1000 * 0.1)
+    spec.observe_traffic(int(1000 * prompt_per_token), 1000)
+    drive(spec, clock, 300, 8, step_cost(0.05, 1.0, 0.02), 0.8, random.Random(12))
+    assert (spec.current == K) == proposes
+
+
+def test_a_catch_up_teaches_the_reading_cost_per_token(policy):
+    spec, clock = policy
+    spec.start_step(1)
+    with spec.catching_up() as read:
+        clock.now += 3.0
+        read.append(100)
+        clock.now += 1.0
+        read.append(300)
+    spec.finish_step([0])
+    spec.observe_traffic(4, 1)
+    assert spec.reading.per_token() == pytest.approx(4.0 / 400 * 4)
+
+
+def test_a_step_beside_prompt_chunks_runs_plain_and_leaves_the_draft_as_it_was(policy):
+    spec, clock = policy
+    drive(spec, clock, 10, 1, step_cost(0.05, 1.0, 0.02), 0.95, random.Random(13))
+    assert spec.current == K
+    assert spec.start_step(1, with_prompts=True) == 0
+    spec.finish_step(None, measured=False)
+    assert spec.current == K and spec.start_step(1) == K  # still awake
+    assert spec.start_step(1, pinned=True, with_prompts=True) == K  # a seeded request keeps K
+    fixed = speculation_policy("fixed", K)
+    assert fixed.start_step(8, with_prompts=True) == K  # fixed always proposes
 
 
 def test_steps_slowed_by_other_work_do_not_decide(policy):
@@ -218,3 +267,19 @@ def test_a_step_whose_forward_carried_prompt_chunks_measures_no_cost(policy):
         clock.now += 100.0
         spec.finish_step(None if k == 0 else [0], measured=False)
     assert not spec.costs.known(bucket(1), 0) and not spec.costs.known(bucket(1), K)
+
+
+def test_a_probe_that_wakes_the_draft_is_measured_on_its_second_step(policy):
+    """The first step after a dormant spell pays for the draft's cold weights and cache: left out, the
+    probe's k runs again and that step is its measure."""
+    spec, clock = policy
+    warm, last = step_cost(0.05, 1.0, 0.02), [0]
+
+    def cost(k):
+        cold = k and not last[0]
+        last[0] = k
+        return warm(k) * (100 if cold else 1)
+    chosen = drive(spec, clock, 3000, 8, cost, 0.0, random.Random(14))
+    assert spec.current == 0 and sum(1 for a, b in zip(chosen, chosen[1:]) if b and not a) >= 5  # probes
+    measured = spec.costs._times[bucket(8)]
+    assert all(max(times) < 2 for k, times in measured.items() if k)

@@ -6,9 +6,15 @@ plus a target step over k+1 positions (k=0: a plain target step). The policy mea
 cost itself, as the wall time of whole decode steps per row, for each k and batch-size bucket,
 and picks the k in 0..K with the most expected tokens per second.
 
+The draft reads a prompt only when a step proposes for its request (the engine catches it up), so
+its reading is charged to proposals: per token they emit, the seconds the draft takes to read a token
+times the prompt tokens the traffic brings per generated token. Long prompts with short completions
+leave the draft nothing to gain. A step that carries prompt chunks decodes plain: its rows ride the
+chunks' forward almost free, where proposals would need forwards of their own.
+
 While plain steps win, the draft lies dormant: it reads no tokens, and only a step that proposes
 catches it up (the engine). Probes then cost that catch-up, so they grow rarer while plain keeps
-winning.
+winning, and a dormant bucket skips them while its estimates leave proposals far behind plain.
 """
 from __future__ import annotations
 
@@ -27,8 +33,11 @@ MIN_GAIN = 1.1  # a dormant draft wakes only when proposals promise this many ti
 # second: waking costs its catch-up, and near break-even the estimates' noise (costs measured minutes
 # apart, at other context lengths) decides, and loses.
 STAY_GAIN = 1.03  # awake, proposals go on while they promise this much: stopping and waking again would
-# pay the catch-up, but a draft kept awake at par also reads every prompt, which no step's cost counts
+# pay the catch-up
+PROBE_HOPE = 0.8  # a dormant bucket's probe runs only where proposals promise this much of plain's rate:
+# further behind, only acceptance could change the verdict (it is live), and each probe costs a catch-up
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
+TRAFFIC_HALF_LIFE = 4096  # tokens (prompt and generated): older traffic weighs half as much after this many
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -59,6 +68,30 @@ class Acceptance:
         self.judged = keep * self.judged + judged
 
 
+class Reading:
+    """Seconds the draft takes per token it reads (catch-up), and prompt tokens per generated token in
+    the traffic: what reading prompts adds to each token proposals emit."""
+
+    def __init__(self):
+        self.seconds = self.read = 0.0  # the draft's catch-up forwards
+        self.prompt = self.generated = 0.0  # the engine's steps
+
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        keep = 0.5 ** (tokens / TRAFFIC_HALF_LIFE)
+        self.seconds, self.read = keep * self.seconds + seconds, keep * self.read + tokens
+
+    def observe_traffic(self, prompt_tokens: int, generated_tokens: int) -> None:
+        keep = 0.5 ** ((prompt_tokens + generated_tokens) / TRAFFIC_HALF_LIFE)
+        self.prompt = keep * self.prompt + prompt_tokens
+        self.generated = keep * self.generated + generated_tokens
+
+    def per_token(self) -> float:
+        """Seconds of the draft's prompt reading per generated token (0 until both are seen)."""
+        if not self.read or not self.generated:
+            return 0.0
+        return self.seconds / self.read * self.prompt / self.generated
+
+
 class StepCosts:
     """Seconds per row of a decode step with k proposals, per batch-size bucket."""
 
@@ -69,11 +102,15 @@ class StepCosts:
 
     def observe(self, bucket_: int, k: int, seconds_per_row: float) -> None:
         self.unmeasured = None
-        if (bucket_, k) not in self._seen:
-            self._seen.add((bucket_, k))  # a first step pays for warm-up (allocations, compilation)
-            self.unmeasured = (bucket_, k)
+        if (bucket_, k) not in self._seen:  # a first step pays for warm-up (allocations, compilation)
+            self.leave_out(bucket_, k)
             return
         self._times.setdefault(bucket_, {}).setdefault(k, deque(maxlen=COST_WINDOW)).append(seconds_per_row)
+
+    def leave_out(self, bucket_: int, k: int) -> None:
+        """A step that paid for more than its k (warm-up) is no measure: the next of its bucket runs k."""
+        self._seen.add((bucket_, k))
+        self.unmeasured = (bucket_, k)
 
     def known(self, bucket_: int, k: int) -> bool:
         return k in self._times.get(bucket_, {})
@@ -117,6 +154,8 @@ class ProbeSchedule:
 class Speculation:
     """Fixed k: every decode step proposes K tokens. Subclasses choose per step."""
 
+    plain_beside_prompts = False  # fixed proposes K even where prompt chunks share the step
+
     def __init__(self, max_k: int, clock: Callable[[], float] = time.perf_counter):
         self.max_k = max_k
         self.current = max_k  # the k chosen for the latest step, probes aside (a metric)
@@ -129,9 +168,15 @@ class Speculation:
         """Whether the draft reads as it goes (the latest step proposed): dormant, it catches up later."""
         return self.current > 0
 
-    def start_step(self, batch_size: int, pinned: bool = False) -> int:
-        """The k of the decode step about to run (K when pinned); its time runs until finish_step."""
-        k = self.max_k if pinned else self.choose(batch_size)
+    def start_step(self, batch_size: int, pinned: bool = False, with_prompts: bool = False) -> int:
+        """The k of the decode step about to run (K when pinned; 0 beside prompt chunks where the policy
+        says so, the draft's state unchanged); its time runs until finish_step."""
+        if pinned:
+            k = self.max_k
+        elif with_prompts and self.plain_beside_prompts:
+            k = 0
+        else:
+            k = self.choose(batch_size)
         self._step, self._uncounted = (batch_size, k, self.clock()), 0.0
         return k
 
@@ -144,6 +189,23 @@ class Speculation:
             yield
         finally:
             self._uncounted += self.clock() - started
+
+    @contextmanager
+    def catching_up(self):
+        """Uncounted work of the draft reading tokens; add each forward's tokens to the list it gives:
+        their time per token is the draft's reading cost."""
+        tokens: list[int] = []
+        started = self.clock()
+        with self.uncounted():
+            yield tokens
+        if sum(tokens):
+            self.observe_read(sum(tokens), self.clock() - started)
+
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def observe_traffic(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """A step's prompt tokens prefilled and tokens generated."""
 
     def finish_step(self, num_accepted: list[int] | None, measured: bool = True) -> None:
         """Accepted proposals per row (None for a plain step) of the step start_step began; `measured`:
@@ -164,10 +226,14 @@ class Speculation:
 class AdaptiveSpeculation(Speculation):
     """Per step, the k in 0..K with the most expected tokens per second of step."""
 
+    plain_beside_prompts = True
+
     def __init__(self, max_k: int, clock: Callable[[], float] = time.perf_counter):
         super().__init__(max_k, clock)
         self.acceptance = Acceptance()
         self.costs = StepCosts()
+        self.reading = Reading()
+        self._waking: tuple[int, int] | None = None  # (bucket, k) of a probe that wakes the draft
         self._probes: dict[int, ProbeSchedule] = {}
 
     def choose(self, batch_size: int) -> int:
@@ -184,25 +250,50 @@ class AdaptiveSpeculation(Speculation):
             return 0
         if not known_k:
             return K if probes.due(0) else 0
-        best = self._best(b)
-        if probes.due(best):  # each other k in turn, so no estimate goes stale
+        rate = self._rates(b)
+        best = self._best(rate)
+        # Each other k in turn, so no estimate goes stale; while dormant, not where proposals are far
+        # behind (but at the longest interval, whatever the estimates say).
+        if probes.due(best) and (self.awake or best or probes.interval >= MAX_PROBE_EVERY
+                                 or max(rate[k] for k in range(1, K + 1)) >= PROBE_HOPE * rate[0]):
             others = [k for k in range(K + 1) if k != best]
-            return others[probes.count % len(others)]
+            k = others[probes.count % len(others)]
+            if not self.awake:  # the draft's weights and cache are cold: the next step measures it
+                self._waking = (b, k)
+            return k
         self.current = best
         return best
 
-    def _best(self, b: int) -> int:
-        alpha = self.acceptance.rate or 0.0
-        rate = {k: expected_tokens(alpha, k) / self.costs.estimate(b, k) for k in range(self.max_k + 1)}
+    def _rates(self, b: int) -> dict[int, float]:
+        """Expected tokens per second per row for each k, the draft's prompt reading charged to proposals."""
+        alpha, read = self.acceptance.rate or 0.0, self.reading.per_token()
+        rate = {0: 1 / self.costs.estimate(b, 0)}
+        for k in range(1, self.max_k + 1):
+            tokens = expected_tokens(alpha, k)
+            rate[k] = tokens / (self.costs.estimate(b, k) + tokens * read)
+        return rate
+
+    def _best(self, rate: dict[int, float]) -> int:
         best = max(rate, key=lambda k: rate[k])
         return best if rate[best] >= (STAY_GAIN if self.awake else MIN_GAIN) * rate[0] else 0
 
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        self.reading.observe_read(tokens, seconds)
+
+    def observe_traffic(self, prompt_tokens: int, generated_tokens: int) -> None:
+        self.reading.observe_traffic(prompt_tokens, generated_tokens)
+
     def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
-        self.costs.observe(bucket(batch_size), k, seconds / batch_size)
+        if self._waking == (bucket(batch_size), k):  # left out as a first step is; choose() runs k again
+            self._waking = None
+            self.costs.leave_out(bucket(batch_size), k)
+        else:
+            self.costs.observe(bucket(batch_size), k, seconds / batch_size)
         if k and num_accepted is not None:
             self.acceptance.observe(k, num_accepted)
 
 
-def speculation_policy(mode: str, max_k: int) -> Speculation:
-    """The policy the engine asks for k: --speculation fixed|adaptive, K the upper bound."""
-    return AdaptiveSpeculation(max_k) if mode == "adaptive" and max_k else Speculation(max_k)
+def speculation_policy(mode: str, max_k: int, clock: Callable[[], float] = time.perf_counter) -> Speculation:
+    """The policy the engine asks for k: --speculation fixed|adaptive, K the upper bound; `clock` times
+    its steps."""
+    return AdaptiveSpeculation(max_k, clock) if mode == "adaptive" and max_k else Speculation(max_k, clock)
