@@ -36,6 +36,7 @@ STAY_GAIN = 1.03  # awake, proposals go on while they promise this much: stoppin
 # pay the catch-up
 PROBE_HOPE = 0.8  # a dormant bucket's probe runs only where proposals promise this much of plain's rate:
 # further behind, only acceptance could change the verdict (it is live), and each probe costs a catch-up
+PLAIN_SAMPLE = 4  # plain steps timed: one in this many, once a bucket has its measure
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
 TRAFFIC_HALF_LIFE = 4096  # tokens (prompt and generated): older traffic weighs half as much after this many
 
@@ -98,6 +99,7 @@ class StepCosts:
     def __init__(self) -> None:
         self._seen: set[tuple[int, int]] = set()
         self._times: dict[int, dict[int, deque[float]]] = {}
+        self._fastest: dict[int, dict[int, float]] = {}  # min of each window, kept as steps come
         self.unmeasured: tuple[int, int] | None = None  # (bucket, k) of the latest step, when discarded
 
     def observe(self, bucket_: int, k: int, seconds_per_row: float) -> None:
@@ -105,7 +107,14 @@ class StepCosts:
         if (bucket_, k) not in self._seen:  # a first step pays for warm-up (allocations, compilation)
             self.leave_out(bucket_, k)
             return
-        self._times.setdefault(bucket_, {}).setdefault(k, deque(maxlen=COST_WINDOW)).append(seconds_per_row)
+        window = self._times.setdefault(bucket_, {}).setdefault(k, deque(maxlen=COST_WINDOW))
+        fastest = self._fastest.setdefault(bucket_, {})
+        dropped = window[0] if len(window) == COST_WINDOW else None
+        window.append(seconds_per_row)
+        if k not in fastest or seconds_per_row <= fastest[k]:
+            fastest[k] = seconds_per_row
+        elif dropped == fastest[k]:
+            fastest[k] = min(window)
 
     def leave_out(self, bucket_: int, k: int) -> None:
         """A step that paid for more than its k (warm-up) is no measure: the next of its bucket runs k."""
@@ -120,7 +129,7 @@ class StepCosts:
 
         Contention with other work only ever adds time: the fastest recent step is the cost.
         """
-        times = {j: min(t) for j, t in self._times[bucket_].items()}
+        times = self._fastest[bucket_]
         if k in times:
             return times[k]
         below = max((j for j in times if j < k), default=None)
@@ -160,7 +169,7 @@ class Speculation:
         self.max_k = max_k
         self.current = max_k  # the k chosen for the latest step, probes aside (a metric)
         self.clock = clock
-        self._step: tuple[int, int, float] | None = None
+        self._step: tuple[int, int, float | None] | None = None
         self._uncounted = 0.0
 
     @property
@@ -177,8 +186,13 @@ class Speculation:
             k = 0
         else:
             k = self.choose(batch_size)
-        self._step, self._uncounted = (batch_size, k, self.clock()), 0.0
+        # A step timed None: its time is not read (a clock that counts CPU time costs a system call).
+        self._step, self._uncounted = (batch_size, k, self.clock() if self.timed(batch_size, k) else None), 0.0
         return k
+
+    def timed(self, batch_size: int, k: int) -> bool:
+        """Whether the step about to run is timed: fixed k learns nothing from its steps."""
+        return False
 
     @contextmanager
     def uncounted(self):
@@ -213,7 +227,7 @@ class Speculation:
         if self._step is None:
             raise RuntimeError("finish_step without start_step")
         batch_size, k, started = self._step
-        if measured:
+        if measured and started is not None:
             self.observe(batch_size, k, self.clock() - started - self._uncounted, num_accepted)
 
     def choose(self, batch_size: int) -> int:
@@ -234,6 +248,7 @@ class AdaptiveSpeculation(Speculation):
         self.costs = StepCosts()
         self.reading = Reading()
         self._waking: tuple[int, int] | None = None  # (bucket, k) of a probe that wakes the draft
+        self._plain_steps = 0
         self._probes: dict[int, ProbeSchedule] = {}
 
     def choose(self, batch_size: int) -> int:
@@ -263,6 +278,15 @@ class AdaptiveSpeculation(Speculation):
             return k
         self.current = best
         return best
+
+    def timed(self, batch_size: int, k: int) -> bool:
+        """Every step that proposes; of plain steps, those a bucket has no measure of yet and one in
+        PLAIN_SAMPLE otherwise (their cost moves slowly; timing one costs a clock read a step)."""
+        if k:
+            return True
+        self._plain_steps += 1
+        return self._plain_steps % PLAIN_SAMPLE == 0 or not self.costs.known(bucket(batch_size), 0) \
+            or self.costs.unmeasured == (bucket(batch_size), 0)
 
     def _rates(self, b: int) -> dict[int, float]:
         """Expected tokens per second per row for each k, the draft's prompt reading charged to proposals."""
