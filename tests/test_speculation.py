@@ -4,11 +4,13 @@ import random
 import pytest
 
 from worker.engine.speculation import (
+    FIRST_SAMPLES,
     MAX_PROBE_EVERY,
     PROBE_EVERY,
     Acceptance,
     AdaptiveSpeculation,
     Speculation,
+    StepCosts,
     bucket,
     expected_tokens,
     speculation_policy,
@@ -119,7 +121,7 @@ def test_k_never_exceeds_the_bound_and_proposals_never_stop_for_long(policy):
 def test_probes_back_off_while_plain_wins_and_return_when_proposals_pay(policy):
     spec, clock = policy
     chosen = drive(spec, clock, 4000, 8, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(9))
-    proposing = [i for i, k in enumerate(chosen) if k][2:]  # after the two steps that first measure K
+    proposing = [i for i, k in enumerate(chosen) if k][1 + FIRST_SAMPLES:]  # after the steps that first measure K
     # A probe of a k not measured yet is two steps (the first is warm-up); each probe wakes the dormant
     # draft (it reads every token since the last): rarer each time.
     starts = [i for i in proposing if i - 1 not in proposing]
@@ -173,7 +175,7 @@ def test_probes_notice_when_a_step_gets_cheaper(policy):
 def test_a_dormant_bucket_skips_probes_while_proposals_are_far_behind(policy):
     spec, clock = policy
     chosen = drive(spec, clock, 3 * MAX_PROBE_EVERY, 8, step_cost(1.0, 1.0, 1.0), 0.8, random.Random(7))
-    probes = [i for i, k in enumerate(chosen) if k][2:]  # after the two steps that first measure K
+    probes = [i for i, k in enumerate(chosen) if k][1 + FIRST_SAMPLES:]  # after the steps that first measure K
     # Each probe would read every token since the last: none until the longest interval, then at it.
     assert probes and min(probes) > MAX_PROBE_EVERY // 2
     starts = [i for i in probes if i - 1 not in probes]
@@ -283,3 +285,29 @@ def test_a_probe_that_wakes_the_draft_is_measured_on_its_second_step(policy):
     assert spec.current == 0 and sum(1 for a, b in zip(chosen, chosen[1:]) if b and not a) >= 5  # probes
     measured = spec.costs._times[bucket(8)]
     assert all(max(times) < 2 for k, times in measured.items() if k)
+
+
+def test_a_new_bucket_measures_each_end_several_steps_before_it_decides(policy):
+    """One slow step (a neighbour's work) among a bucket's first measures does not put the draft to
+    sleep where proposals pay."""
+    spec, clock = policy
+    cost, steps = step_cost(0.05, 1.0, 0.02), []
+
+    def first_measured_k_step_slow(k):
+        steps.append(k)
+        return cost(k) * (10 if k and steps.count(k) == 2 else 1)  # the first after warm-up
+    chosen = drive(spec, clock, 60, 8, first_measured_k_step_slow, 0.9, random.Random(15))
+    n = 1 + FIRST_SAMPLES  # a warm-up step, then the measures
+    assert chosen[:2 * n] == [K] * n + [0] * n
+    assert spec.current == K and chosen[-10:].count(K) >= 9
+
+
+def test_a_k_measured_once_is_compared_with_plain_over_as_few_steps():
+    """Plain's fastest of 5 steps against a probe's one: the probe is compared with plain's latest step."""
+    costs = StepCosts()
+    for seconds in (0, 1.0, 1.0, 1.0, 1.0, 2.0):  # plain: a warm-up step, then the fastest of 5 is 1.0
+        costs.observe(0, 0, seconds)
+    for seconds in (0, 3.0):
+        costs.observe(0, K, seconds)
+    assert costs.estimate(0, K) / costs.estimate(0, 0) == 3.0
+    assert costs.relative(0, K) == 1.5  # against plain's latest step (2.0)

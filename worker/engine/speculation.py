@@ -34,8 +34,9 @@ MIN_GAIN = 1.1  # a dormant draft wakes only when proposals promise this many ti
 # apart, at other context lengths) decides, and loses.
 STAY_GAIN = 1.03  # awake, proposals go on while they promise this much: stopping and waking again would
 # pay the catch-up
-PROBE_HOPE = 0.8  # a dormant bucket's probe runs only where proposals promise this much of plain's rate:
+PROBE_HOPE = 0.9  # a dormant bucket's probe runs only where proposals promise this much of plain's rate:
 # further behind, only acceptance could change the verdict (it is live), and each probe costs a catch-up
+FIRST_SAMPLES = 3  # steps a bucket first measures at each end (K, plain) before it decides
 PLAIN_SAMPLE = 4  # plain steps timed: one in this many, once a bucket has its measure
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
 TRAFFIC_HALF_LIFE = 4096  # tokens (prompt and generated): older traffic weighs half as much after this many
@@ -123,6 +124,20 @@ class StepCosts:
 
     def known(self, bucket_: int, k: int) -> bool:
         return k in self._times.get(bucket_, {})
+
+    def count(self, bucket_: int, k: int) -> int:
+        """Steps measured in the window (at most COST_WINDOW)."""
+        return len(self._times.get(bucket_, {}).get(k, ()))
+
+    def relative(self, bucket_: int, k: int) -> float:
+        """k's cost over plain's, each the fastest of as many latest steps as the other has measured:
+        the fastest of many steps is lower than that of few, and a k a dormant bucket measures once a
+        probe would otherwise lose to plain's many steps by that alone."""
+        times = self._times[bucket_]
+        n = min(len(times.get(k, ())), len(times.get(0, ())))
+        if not n:
+            return self.estimate(bucket_, k) / self.estimate(bucket_, 0)
+        return min(list(times[k])[-n:]) / min(list(times[0])[-n:])
 
     def estimate(self, bucket_: int, k: int) -> float:
         """The measured cost, or a line between the nearest measured k below and above.
@@ -257,11 +272,12 @@ class AdaptiveSpeculation(Speculation):
             return self.costs.unmeasured[1]  # again, now: a probe's draft is caught up for this step alone
         probes = self._probes.setdefault(b, ProbeSchedule())
         # Both ends are measured first (K also measures acceptance): the costs between are interpolated.
-        # Awake, K goes first; dormant, plain does, and K waits for the bucket's first probe, as waking costs.
+        # Awake, K goes first, then plain, FIRST_SAMPLES steps each (one step's noise would decide);
+        # dormant, plain does, and K waits for the bucket's first probe, as waking costs.
         known_k = self.costs.known(b, K)
-        if not known_k and self.awake:
+        if self.awake and self.costs.count(b, K) < FIRST_SAMPLES:
             return K
-        if not self.costs.known(b, 0):
+        if self.costs.count(b, 0) < (FIRST_SAMPLES if known_k else 1):
             return 0
         if not known_k:
             return K if probes.due(0) else 0
@@ -285,16 +301,17 @@ class AdaptiveSpeculation(Speculation):
         if k:
             return True
         self._plain_steps += 1
-        return self._plain_steps % PLAIN_SAMPLE == 0 or not self.costs.known(bucket(batch_size), 0) \
+        return self._plain_steps % PLAIN_SAMPLE == 0 or self.costs.count(bucket(batch_size), 0) < FIRST_SAMPLES \
             or self.costs.unmeasured == (bucket(batch_size), 0)
 
     def _rates(self, b: int) -> dict[int, float]:
         """Expected tokens per second per row for each k, the draft's prompt reading charged to proposals."""
         alpha, read = self.acceptance.rate or 0.0, self.reading.per_token()
-        rate = {0: 1 / self.costs.estimate(b, 0)}
+        plain = self.costs.estimate(b, 0)
+        rate = {0: 1 / plain}
         for k in range(1, self.max_k + 1):
             tokens = expected_tokens(alpha, k)
-            rate[k] = tokens / (self.costs.estimate(b, k) + tokens * read)
+            rate[k] = tokens / (plain * self.costs.relative(b, k) + tokens * read)
         return rate
 
     def _best(self, rate: dict[int, float]) -> int:
