@@ -3,7 +3,8 @@
 Adaptive speculation follows Leviathan et al. (2023): with a per-token acceptance rate a,
 k proposals emit (1 - a^(k+1)) / (1 - a) tokens per row, and the step costs k draft steps
 plus a target step over k+1 positions (k=0: a plain target step). The policy measures that
-cost itself, as the wall time of whole decode steps per row, for each k and batch-size bucket,
+cost itself, as the time of whole decode steps per row (on the clock the engine gives: wall time, or
+the engine thread's CPU time where one thread runs the steps), for each k and batch-size bucket,
 and picks the k in 0..K with the most expected tokens per second.
 
 The draft reads a prompt only when a step proposes for its request (the engine catches it up), so
@@ -130,9 +131,9 @@ class StepCosts:
         return len(self._times.get(bucket_, {}).get(k, ()))
 
     def relative(self, bucket_: int, k: int) -> float:
-        """k's cost over plain's, each the fastest of as many latest steps as the other has measured:
-        the fastest of many steps is lower than that of few, and a k a dormant bucket measures once a
-        probe would otherwise lose to plain's many steps by that alone."""
+        """k's cost over plain's, each the fastest of as many latest steps as both have measured: the
+        fastest of many steps is lower than that of few, and a k that a dormant bucket's probe measured
+        once would otherwise lose to plain's many steps by that alone."""
         times = self._times[bucket_]
         n = min(len(times.get(k, ())), len(times.get(0, ())))
         if not n:
