@@ -27,6 +27,10 @@ round by round: a ratio only ever compares two servers measured minutes apart) a
 rounds each goal held. Short prompts: ours plain >= 1.0x at every concurrency; ours with the draft
 >= 1.6x at 1 stream, >= 1.2x at 16 and never below ours plain. Shared prefix: output tokens/s
 >= 1.5x and TTFT median <= 0.5x. Long prompts: output tokens/s >= 1.0x.
+Where ours plain and ours with the draft both run, it also prints, per load and concurrency, the two
+side by side each round, their ratio's min/median/max over the rounds and its goals: median >= 1.0x
+and min >= 0.93x at every load, >= 1.25x in every round at 1 stream of short prompts. Only our two:
+  python bench/serve.py --servers ours,ours-draft-adaptive --concurrency 1,16 --rounds 5
 
 vLLM's CPU build lives in a venv of its own (scripts/vllm_venv.sh, `make vllm-venv`); this script
 builds it when it is missing (unless --no-build-vllm) and says so when it cannot. guidellm is taken
@@ -531,6 +535,64 @@ def print_spread(rounds: list[dict], loads: dict[str, Load]) -> None:
               + (f" ({len(held) - len(measured)} without a figure)" if len(measured) < len(held) else ""))
 
 
+DRAFT_FLOOR = (1.0, 0.93)  # with the draft against ours plain at every load: median and min over rounds
+DRAFT_AT_ONE_STREAM = 1.25  # ... and at 1 stream of short prompts, in every round
+
+
+def draft_server(rounds: list[dict]) -> str | None:
+    return next((n for n in ("ours-draft-adaptive", "ours-draft") if any(n in r for r in rounds)), None)
+
+
+def draft_vs_plain(rounds: list[dict], loads: dict[str, Load]) -> dict[tuple[str, int], list[float]]:
+    """Per load and concurrency, ours with the draft over ours plain, one ratio a round where both
+    have the figure (each round measures both minutes apart, in a rotated order)."""
+    draft = draft_server(rounds)
+    out: dict[tuple[str, int], list[float]] = {}
+    if draft is None:
+        return out
+    for load in loads.values():
+        for c in load.streams:
+            pairs = [(figure(r.get(draft), load.name, c), figure(r.get("ours"), load.name, c)) for r in rounds]
+            out[(load.name, c)] = [a / b for a, b in pairs if a is not None and b]
+    return out
+
+
+def draft_goals(ratios: dict[tuple[str, int], list[float]]) -> dict[str, bool | None]:
+    """With the draft at least as fast as plain at every load (median, and min within noise), and well
+    ahead at 1 stream of short prompts in every round; None where no round has both figures."""
+    out: dict[str, bool | None] = {}
+    median_floor, min_floor = DRAFT_FLOOR
+    for (load, c), values in ratios.items():
+        out[f"{load}, {c} streams: with the draft, median >= {median_floor:.2f}x ours plain and min >= "
+            f"{min_floor:.2f}x"] = (statistics.median(values) >= median_floor and min(values) >= min_floor) \
+            if values else None
+        if load == "short" and c == 1:
+            out[f"short, 1 stream: with the draft >= {DRAFT_AT_ONE_STREAM:.2f}x ours plain in every round"] = \
+                min(values) >= DRAFT_AT_ONE_STREAM if values else None
+    return out
+
+
+def print_draft_vs_plain(rounds: list[dict], loads: dict[str, Load]) -> None:
+    ratios = draft_vs_plain(rounds, loads)
+    if not ratios:
+        return
+    draft = draft_server(rounds)
+    print(f"\n{LABELS[draft]} against ours plain, output tok/s, {len(rounds)} round(s), servers in a rotated "
+          "order each round\n")
+    print("| load | streams | ours plain, per round | with the draft, per round | ratio per round | "
+          "ratio min / median / max |")
+    print("|---|---|---|---|---|---|")
+    for (load, c), values in ratios.items():
+        plain = "/".join("n/a" if (f := figure(r.get("ours"), load, c)) is None else f"{f:.0f}" for r in rounds)
+        drafted = "/".join("n/a" if (f := figure(r.get(draft), load, c)) is None else f"{f:.0f}" for r in rounds)
+        spread = f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}" if values else "n/a"
+        print(f"| {load} | {c} | {plain} | {drafted} | " + "/".join(f"{v:.2f}" for v in values)
+              + f" | {spread} |")
+    print("\ngoals, with the draft against ours plain")
+    for goal, held in draft_goals(ratios).items():
+        print(f"  {goal}: {'n/a' if held is None else 'holds' if held else 'MISSED'}")
+
+
 def guidellm_version() -> str:
     from importlib import metadata
     try:
@@ -606,6 +668,7 @@ def main() -> int:
         print_report(rounds[-1], observing, args, loads)
         if args.rounds > 1:
             print_spread(rounds, loads)
+        print_draft_vs_plain(rounds, loads)
         if args.json:
             Path(args.json).write_text(json.dumps({"rounds": rounds, "observing": observing}, indent=1,
                                                   default=str))

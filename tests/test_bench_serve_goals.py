@@ -71,3 +71,20 @@ def test_the_options_defaults_build_every_server_and_load(serve):
     assert command[command.index("--max-num-seqs") + 1] == "8" and command[command.index("--cpu-threads") + 1] == "1"
     assert command[command.index("--speculation") + 1] == "adaptive"
     assert set(serve.build_loads(args, list(serve.LOADS))) == set(serve.LOADS)
+
+
+def test_the_draft_against_plain_per_load_over_rounds(serve):
+    """Ratios taken round by round; median >= 1.0x and min >= 0.93x at each load, 1.25x at 1 stream."""
+    rounds = [{"ours": result(100, 400, 1000, 1200, shared=(300, 500), long=30),
+               "ours-draft-adaptive": result(130, 400, 930, 1300, shared=(300, 500), long=30)},
+              {"ours": result(100, 400, 1000, 1200, shared=(300, 500), long=30),
+               "ours-draft-adaptive": result(125, 396, 1100, 1100, shared=(290, 500), long=31)},
+              {"ours-draft-adaptive": result(200, 800, 2000, 2400), "ours": "failed: exited with 1"}]
+    ratios = serve.draft_vs_plain(rounds, loads(serve, "short", "shared-prefix", "long-prompt"))
+    assert ratios[("short", 1)] == [1.3, 1.25] and ratios[("short", 16)] == [0.93, 1.1]
+    verdict = list(serve.draft_goals(ratios).values())
+    # short at 1 (median; 1.25x each round), 4 (median 0.995), 16 (min 0.93), 32 (min 0.917); shared prefix
+    # (median 0.983); long prompts (1.0 and 1.03)
+    assert verdict == [True, True, False, True, False, False, True]
+    assert serve.draft_goals(serve.draft_vs_plain([rounds[2]], loads(serve, "long-prompt"))) == {
+        next(iter(serve.draft_goals({("long-prompt", 4): [1.0]}))): None}

@@ -93,6 +93,47 @@ def test_a_dormant_draft_reads_nothing_until_a_step_proposes(checkpoints):
     assert first == second == [1] * 4
 
 
+def test_steps_that_do_not_propose_run_no_draft_forward(checkpoints):
+    """An awake draft reads no prompt at its prefill and nothing in plain steps: a run whose steps
+    all choose k=0 runs the draft model not once."""
+    plain = engine(checkpoints["llama"]).generate(prompts(4), GREEDY)
+    spec = engine(checkpoints["llama"], checkpoints["llama-draft"])
+    spec.speculation = Scripted([0])
+    spec.speculation.current = 4  # awake at the prefill
+    draft_reads = record_draft_reads(spec)
+    assert [r[0] for r in spec.generate(prompts(4), GREEDY)] == [r[0] for r in plain]
+    assert draft_reads == [] and spec.stats.drafts == 0
+
+
+def test_prompts_beside_decoding_rows_decode_plain_and_the_draft_reads_them_only_to_propose(checkpoints):
+    """Adaptive: a step that prefills a prompt beside a decoding row runs plain (the row rides the
+    chunk's forward) and no draft forward; the draft reads that prompt when a step first proposes for
+    it, and the output is plain greedy's."""
+    rows = prompts(2)
+    reference = engine(checkpoints["llama"]).generate(rows, GREEDY)
+    spec = engine(checkpoints["llama"], checkpoints["llama"], speculation="adaptive")
+    draft_reads = record_draft_reads(spec)
+    tokens: dict[str, list[int]] = {}
+
+    def step():
+        for out in spec.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    first = spec.add_request(rows[0], GREEDY)
+    step()  # its prefill alone
+    assert draft_reads == [] and spec._seqs[first].num_draft_cached == 0
+    step()  # a decode step: awake, a batch size not measured yet, K
+    assert draft_reads and spec.stats.drafts == 1
+    second = spec.add_request(rows[1], GREEDY)
+    reads_before = len(draft_reads)
+    step()  # the second's prefill beside the first's decoding
+    assert len(draft_reads) == reads_before and spec.stats.drafts == 1
+    assert spec._seqs[second].num_draft_cached == 0 < spec._seqs[second].num_cached
+    while spec.has_unfinished_requests():
+        step()
+    assert [tokens[first], tokens[second]] == [r[0] for r in reference]
+    assert spec.stats.drafts > 1 and spec.stats.acceptance_rate == 1.0  # the draft read the second's prompt
+
+
 def test_rows_sharing_a_prefix_catch_up_on_it_once(checkpoints):
     """A dormant draft behind 4 requests that share a 64-token cached prefix: the catch-up writes the
     prefix's blocks for one row, the others skip them and read only their own tokens, and the

@@ -4,11 +4,13 @@ import random
 import pytest
 
 from worker.engine.speculation import (
+    FIRST_SAMPLES,
     MAX_PROBE_EVERY,
     PROBE_EVERY,
     Acceptance,
     AdaptiveSpeculation,
     Speculation,
+    StepCosts,
     bucket,
     expected_tokens,
     speculation_policy,
@@ -119,7 +121,7 @@ def test_k_never_exceeds_the_bound_and_proposals_never_stop_for_long(policy):
 def test_probes_back_off_while_plain_wins_and_return_when_proposals_pay(policy):
     spec, clock = policy
     chosen = drive(spec, clock, 4000, 8, step_cost(0.05, 1.0, 0.02), 0.0, random.Random(9))
-    proposing = [i for i, k in enumerate(chosen) if k][2:]  # after the two steps that first measure K
+    proposing = [i for i, k in enumerate(chosen) if k][1 + FIRST_SAMPLES:]  # after the steps that first measure K
     # A probe of a k not measured yet is two steps (the first is warm-up); each probe wakes the dormant
     # draft (it reads every token since the last): rarer each time.
     starts = [i for i in proposing if i - 1 not in proposing]
@@ -165,8 +167,57 @@ def test_probes_notice_when_a_step_gets_cheaper(policy):
     drive(spec, clock, 200, 8, step_cost(1.0, 1.0, 1.0), 0.8, random.Random(7))
     assert spec.current == 0
     # The load on the device changes: proposals become cheap; only steps that measure them can tell.
-    drive(spec, clock, 400, 8, step_cost(0.02, 1.0, 0.02), 0.8, random.Random(7))
+    # The estimates left them far behind plain: the dormant bucket probes at its longest interval.
+    drive(spec, clock, MAX_PROBE_EVERY + 400, 8, step_cost(0.02, 1.0, 0.02), 0.8, random.Random(7))
     assert spec.current == K
+
+
+def test_a_dormant_bucket_skips_probes_while_proposals_are_far_behind(policy):
+    spec, clock = policy
+    chosen = drive(spec, clock, 3 * MAX_PROBE_EVERY, 8, step_cost(1.0, 1.0, 1.0), 0.8, random.Random(7))
+    probes = [i for i, k in enumerate(chosen) if k][1 + FIRST_SAMPLES:]  # after the steps that first measure K
+    # Each probe would read every token since the last: none until the longest interval, then at it.
+    assert probes and min(probes) > MAX_PROBE_EVERY // 2
+    starts = [i for i in probes if i - 1 not in probes]
+    assert all(b - a >= MAX_PROBE_EVERY - 2 for a, b in zip(starts, starts[1:]))
+    assert spec.current == 0
+
+
+@pytest.mark.parametrize("prompt_per_token, proposes", [(0.25, True), (32.0, False)])
+def test_the_drafts_reading_of_prompts_is_charged_to_proposals(policy, prompt_per_token, proposes):
+    """Short prompts with long completions leave proposals ahead; long prompts with short ones do not,
+    since the draft must read each prompt before proposing for it (here reading a token costs 0.1 of
+    a plain step's time per row)."""
+    spec, clock = policy
+    spec.observe_read(1000, 1000 * 0.1)
+    spec.observe_traffic(int(1000 * prompt_per_token), 1000)
+    drive(spec, clock, 300, 8, step_cost(0.05, 1.0, 0.02), 0.8, random.Random(12))
+    assert (spec.current == K) == proposes
+
+
+def test_a_catch_up_teaches_the_reading_cost_per_token(policy):
+    spec, clock = policy
+    spec.start_step(1)
+    with spec.catching_up() as read:
+        clock.now += 3.0
+        read.append(100)
+        clock.now += 1.0
+        read.append(300)
+    spec.finish_step([0])
+    spec.observe_traffic(4, 1)
+    assert spec.reading.per_token() == pytest.approx(4.0 / 400 * 4)
+
+
+def test_a_step_beside_prompt_chunks_runs_plain_and_leaves_the_draft_as_it_was(policy):
+    spec, clock = policy
+    drive(spec, clock, 10, 1, step_cost(0.05, 1.0, 0.02), 0.95, random.Random(13))
+    assert spec.current == K
+    assert spec.start_step(1, with_prompts=True) == 0
+    spec.finish_step(None, measured=False)
+    assert spec.current == K and spec.start_step(1) == K  # still awake
+    assert spec.start_step(1, pinned=True, with_prompts=True) == K  # a seeded request keeps K
+    fixed = speculation_policy("fixed", K)
+    assert fixed.start_step(8, with_prompts=True) == K  # fixed always proposes
 
 
 def test_steps_slowed_by_other_work_do_not_decide(policy):
@@ -218,3 +269,45 @@ def test_a_step_whose_forward_carried_prompt_chunks_measures_no_cost(policy):
         clock.now += 100.0
         spec.finish_step(None if k == 0 else [0], measured=False)
     assert not spec.costs.known(bucket(1), 0) and not spec.costs.known(bucket(1), K)
+
+
+def test_a_probe_that_wakes_the_draft_is_measured_on_its_second_step(policy):
+    """The first step after a dormant spell pays for the draft's cold weights and cache: left out, the
+    probe's k runs again and that step is its measure."""
+    spec, clock = policy
+    warm, last = step_cost(0.05, 1.0, 0.02), [0]
+
+    def cost(k):
+        cold = k and not last[0]
+        last[0] = k
+        return warm(k) * (100 if cold else 1)
+    chosen = drive(spec, clock, 3000, 8, cost, 0.0, random.Random(14))
+    assert spec.current == 0 and sum(1 for a, b in zip(chosen, chosen[1:]) if b and not a) >= 5  # probes
+    measured = spec.costs._times[bucket(8)]
+    assert all(max(times) < 2 for k, times in measured.items() if k)
+
+
+def test_a_new_bucket_measures_each_end_several_steps_before_it_decides(policy):
+    """One slow step (a neighbour's work) among a bucket's first measures does not put the draft to
+    sleep where proposals pay."""
+    spec, clock = policy
+    cost, steps = step_cost(0.05, 1.0, 0.02), []
+
+    def first_measured_k_step_slow(k):
+        steps.append(k)
+        return cost(k) * (10 if k and steps.count(k) == 2 else 1)  # the first after warm-up
+    chosen = drive(spec, clock, 60, 8, first_measured_k_step_slow, 0.9, random.Random(15))
+    n = 1 + FIRST_SAMPLES  # a warm-up step, then the measures
+    assert chosen[:2 * n] == [K] * n + [0] * n
+    assert spec.current == K and chosen[-10:].count(K) >= 9
+
+
+def test_a_k_measured_once_is_compared_with_plain_over_as_few_steps():
+    """Plain's fastest of 5 steps against a probe's one: the probe is compared with plain's latest step."""
+    costs = StepCosts()
+    for seconds in (0, 1.0, 1.0, 1.0, 1.0, 2.0):  # plain: a warm-up step, then the fastest of 5 is 1.0
+        costs.observe(0, 0, seconds)
+    for seconds in (0, 3.0):
+        costs.observe(0, K, seconds)
+    assert costs.estimate(0, K) / costs.estimate(0, 0) == 3.0
+    assert costs.relative(0, K) == 1.5  # against plain's latest step (2.0)

@@ -91,7 +91,12 @@ class LLMEngine:
         # prefill): prompts share a step only up to 64 tokens. A GPU reads every weight each forward.
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_k,
                                    self.runner.attention_span(), 64 if self.device.kind == "cpu" else None)
-        self.speculation = speculation_policy(config.speculation, self.max_k)
+        # On one CPU thread a step's work is the engine thread's own: its CPU time is the step's cost, which
+        # the host's other processes (a client beside the server, neighbours) do not inflate as they do
+        # wall time, at random, one step and one k more than another.
+        one_thread = self.device.kind == "cpu" and torch.get_num_threads() == 1
+        self.speculation = speculation_policy(config.speculation, self.max_k,
+                                              time.thread_time if one_thread else time.perf_counter)
         self.stats = EngineStats(num_speculative_tokens=self.max_k, current_speculative_tokens=self.max_k)
         self.eos_token_ids = eos_ids(self.tokenizer, target.config)
         self.vocab_size = target.config.vocab_size
@@ -176,11 +181,15 @@ class LLMEngine:
             # prompts comes from clients that may still be sending, which take a core.
             with self.runner.prompt_alone() if len(batch.prefill) == 1 else contextlib.nullcontext():
                 computed = self._plain(batch.prefill, batch.chunks, [])
-            return self._postprocess(*computed)
+            generated = self.stats.generation_tokens
+            outputs = self._postprocess(*computed)
+            self.speculation.observe_traffic(sum(batch.chunks), self.stats.generation_tokens - generated)
+            return outputs
         # A seeded sampled request draws its random numbers per proposal: it keeps one k (K) so its
         # text depends on the seed only, never on the load.
         seeded = any(s.params.seed is not None and not s.params.greedy for s in batch.decode)
-        k = self.speculation.start_step(len(batch.decode), pinned=seeded)
+        k = self.speculation.start_step(len(batch.decode), pinned=seeded, with_prompts=bool(batch.prefill))
+        generated = self.stats.generation_tokens
         if k == 0:
             # Chunks and decode rows in one forward: the step's time is not a plain step's cost.
             outputs = self._postprocess(*self._plain(batch.prefill, batch.chunks, batch.decode))
@@ -194,6 +203,7 @@ class LLMEngine:
             tokens, accepted, decoded = self._decode_speculative(batch.decode, k)
             outputs += self._postprocess(batch.decode, tokens, decoded)
             self.speculation.finish_step(accepted)
+        self.speculation.observe_traffic(sum(batch.chunks), self.stats.generation_tokens - generated)
         self.stats.current_speculative_tokens = self.speculation.current
         return outputs
 
@@ -247,8 +257,7 @@ class LLMEngine:
                           [s.block_table for s in decode], 1, False))
         parted = [part[:, 0] for part in self.runner.forward_parts("target", parts)]
         done = [i for i, (s, c) in enumerate(zip(prefill, chunks)) if s.num_cached + c == len(s)]
-        if prefill:
-            self._draft_prefill(prefill, chunks, rows, starts, tables)
+        if prefill:  # the draft reads prompts only when a step proposes for them (_draft_catch_up)
             for s, c in zip(prefill, chunks):
                 self.stats.prompt_tokens += c
                 s.num_cached += c
@@ -266,31 +275,20 @@ class LLMEngine:
         tokens = draw(logits, self._rows(seqs))
         return seqs, [[t] for t in tokens.tolist()], self._logprobs(seqs, logits[:, None], tokens[:, None])
 
-    def _draft_prefill(self, seqs: list[Sequence], chunks: list[int], rows: list[list[int]], starts: list[int],
-                       tables: list[list[int]]) -> None:
-        """The draft reads the chunks where it is level with the target. A dormant draft reads when it
-        proposes; so does one behind the target (cached blocks it never wrote)."""
-        if not self.speculation.awake:
-            return
-        level = [i for i, s in enumerate(seqs) if s.num_draft_cached == s.num_cached]
-        if level:
-            self.runner.forward("draft", [rows[i] for i in level], [starts[i] for i in level],
-                                [tables[i] for i in level], 0, prefill=True)
-        for i in level:
-            seqs[i].num_draft_cached += chunks[i]
-
     def _draft_catch_up(self, seqs: list[Sequence]) -> None:
-        """The draft reads what it missed while dormant (no logits), where a row lags more than
-        CATCH_UP_AFTER tokens: up to its last token, which its first proposal reads, in prompt chunks
-        within the prefill's token budget. Rows that share cached blocks read them once: one writes
-        a block, the others skip it. Its time is left out of the step's cost."""
-        with self.speculation.uncounted():
+        """The draft reads what it has not (its requests' prompts, the tokens of steps that did not
+        propose; no logits), where a row lags more than CATCH_UP_AFTER tokens: up to its last token,
+        which its first proposal reads, in prompt chunks within the prefill's token budget. Rows that
+        share cached blocks read them once: one writes a block, the others skip it. Its time is left
+        out of the step's cost; the policy learns from it what the draft's reading costs a token."""
+        with self.speculation.catching_up() as read:
             while rows := self._behind_the_target(seqs):
                 width = max(1, self.config.max_num_batched_tokens // len(rows))
                 starts = [s.num_draft_cached for s in rows]
                 chunks = [min(width, len(s) - 1 - n) for s, n in zip(rows, starts)]
                 self.runner.forward("draft", [s.tokens_from(n, n + c) for s, n, c in zip(rows, starts, chunks)],
                                     starts, [s.block_table for s in rows], 0, prefill=True)
+                read.append(sum(chunks))
                 for s, c in zip(rows, chunks):
                     s.num_draft_cached += c
                     self.blocks.commit(s)  # marks its full blocks drafted, for the rows that share them

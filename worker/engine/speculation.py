@@ -3,12 +3,19 @@
 Adaptive speculation follows Leviathan et al. (2023): with a per-token acceptance rate a,
 k proposals emit (1 - a^(k+1)) / (1 - a) tokens per row, and the step costs k draft steps
 plus a target step over k+1 positions (k=0: a plain target step). The policy measures that
-cost itself, as the wall time of whole decode steps per row, for each k and batch-size bucket,
+cost itself, as the time of whole decode steps per row (on the clock the engine gives: wall time, or
+the engine thread's CPU time where one thread runs the steps), for each k and batch-size bucket,
 and picks the k in 0..K with the most expected tokens per second.
+
+The draft reads a prompt only when a step proposes for its request (the engine catches it up), so
+its reading is charged to proposals: per token they emit, the seconds the draft takes to read a token
+times the prompt tokens the traffic brings per generated token. Long prompts with short completions
+leave the draft nothing to gain. A step that carries prompt chunks decodes plain: its rows ride the
+chunks' forward almost free, where proposals would need forwards of their own.
 
 While plain steps win, the draft lies dormant: it reads no tokens, and only a step that proposes
 catches it up (the engine). Probes then cost that catch-up, so they grow rarer while plain keeps
-winning.
+winning, and a dormant bucket skips them while its estimates leave proposals far behind plain.
 """
 from __future__ import annotations
 
@@ -27,8 +34,13 @@ MIN_GAIN = 1.1  # a dormant draft wakes only when proposals promise this many ti
 # second: waking costs its catch-up, and near break-even the estimates' noise (costs measured minutes
 # apart, at other context lengths) decides, and loses.
 STAY_GAIN = 1.03  # awake, proposals go on while they promise this much: stopping and waking again would
-# pay the catch-up, but a draft kept awake at par also reads every prompt, which no step's cost counts
+# pay the catch-up
+PROBE_HOPE = 0.9  # a dormant bucket's probe runs only where proposals promise this much of plain's rate:
+# further behind, only acceptance could change the verdict (it is live), and each probe costs a catch-up
+FIRST_SAMPLES = 3  # steps a bucket first measures at each end (K, plain) before it decides
+PLAIN_SAMPLE = 4  # plain steps timed: one in this many, once a bucket has its measure
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
+TRAFFIC_HALF_LIFE = 4096  # tokens (prompt and generated): older traffic weighs half as much after this many
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -59,31 +71,81 @@ class Acceptance:
         self.judged = keep * self.judged + judged
 
 
+class Reading:
+    """Seconds the draft takes per token it reads (catch-up), and prompt tokens per generated token in
+    the traffic: what reading prompts adds to each token proposals emit."""
+
+    def __init__(self):
+        self.seconds = self.read = 0.0  # the draft's catch-up forwards
+        self.prompt = self.generated = 0.0  # the engine's steps
+
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        keep = 0.5 ** (tokens / TRAFFIC_HALF_LIFE)
+        self.seconds, self.read = keep * self.seconds + seconds, keep * self.read + tokens
+
+    def observe_traffic(self, prompt_tokens: int, generated_tokens: int) -> None:
+        keep = 0.5 ** ((prompt_tokens + generated_tokens) / TRAFFIC_HALF_LIFE)
+        self.prompt = keep * self.prompt + prompt_tokens
+        self.generated = keep * self.generated + generated_tokens
+
+    def per_token(self) -> float:
+        """Seconds of the draft's prompt reading per generated token (0 until both are seen)."""
+        if not self.read or not self.generated:
+            return 0.0
+        return self.seconds / self.read * self.prompt / self.generated
+
+
 class StepCosts:
     """Seconds per row of a decode step with k proposals, per batch-size bucket."""
 
     def __init__(self) -> None:
         self._seen: set[tuple[int, int]] = set()
         self._times: dict[int, dict[int, deque[float]]] = {}
+        self._fastest: dict[int, dict[int, float]] = {}  # min of each window, kept as steps come
         self.unmeasured: tuple[int, int] | None = None  # (bucket, k) of the latest step, when discarded
 
     def observe(self, bucket_: int, k: int, seconds_per_row: float) -> None:
         self.unmeasured = None
-        if (bucket_, k) not in self._seen:
-            self._seen.add((bucket_, k))  # a first step pays for warm-up (allocations, compilation)
-            self.unmeasured = (bucket_, k)
+        if (bucket_, k) not in self._seen:  # a first step pays for warm-up (allocations, compilation)
+            self.leave_out(bucket_, k)
             return
-        self._times.setdefault(bucket_, {}).setdefault(k, deque(maxlen=COST_WINDOW)).append(seconds_per_row)
+        window = self._times.setdefault(bucket_, {}).setdefault(k, deque(maxlen=COST_WINDOW))
+        fastest = self._fastest.setdefault(bucket_, {})
+        dropped = window[0] if len(window) == COST_WINDOW else None
+        window.append(seconds_per_row)
+        if k not in fastest or seconds_per_row <= fastest[k]:
+            fastest[k] = seconds_per_row
+        elif dropped == fastest[k]:
+            fastest[k] = min(window)
+
+    def leave_out(self, bucket_: int, k: int) -> None:
+        """A step that paid for more than its k (warm-up) is no measure: the next of its bucket runs k."""
+        self._seen.add((bucket_, k))
+        self.unmeasured = (bucket_, k)
 
     def known(self, bucket_: int, k: int) -> bool:
         return k in self._times.get(bucket_, {})
+
+    def count(self, bucket_: int, k: int) -> int:
+        """Steps measured in the window (at most COST_WINDOW)."""
+        return len(self._times.get(bucket_, {}).get(k, ()))
+
+    def relative(self, bucket_: int, k: int) -> float:
+        """k's cost over plain's, each the fastest of as many latest steps as both have measured: the
+        fastest of many steps is lower than that of few, and a k that a dormant bucket's probe measured
+        once would otherwise lose to plain's many steps by that alone."""
+        times = self._times[bucket_]
+        n = min(len(times.get(k, ())), len(times.get(0, ())))
+        if not n:
+            return self.estimate(bucket_, k) / self.estimate(bucket_, 0)
+        return min(list(times[k])[-n:]) / min(list(times[0])[-n:])
 
     def estimate(self, bucket_: int, k: int) -> float:
         """The measured cost, or a line between the nearest measured k below and above.
 
         Contention with other work only ever adds time: the fastest recent step is the cost.
         """
-        times = {j: min(t) for j, t in self._times[bucket_].items()}
+        times = self._fastest[bucket_]
         if k in times:
             return times[k]
         below = max((j for j in times if j < k), default=None)
@@ -117,11 +179,13 @@ class ProbeSchedule:
 class Speculation:
     """Fixed k: every decode step proposes K tokens. Subclasses choose per step."""
 
+    plain_beside_prompts = False  # fixed proposes K even where prompt chunks share the step
+
     def __init__(self, max_k: int, clock: Callable[[], float] = time.perf_counter):
         self.max_k = max_k
         self.current = max_k  # the k chosen for the latest step, probes aside (a metric)
         self.clock = clock
-        self._step: tuple[int, int, float] | None = None
+        self._step: tuple[int, int, float | None] | None = None
         self._uncounted = 0.0
 
     @property
@@ -129,11 +193,22 @@ class Speculation:
         """Whether the draft reads as it goes (the latest step proposed): dormant, it catches up later."""
         return self.current > 0
 
-    def start_step(self, batch_size: int, pinned: bool = False) -> int:
-        """The k of the decode step about to run (K when pinned); its time runs until finish_step."""
-        k = self.max_k if pinned else self.choose(batch_size)
-        self._step, self._uncounted = (batch_size, k, self.clock()), 0.0
+    def start_step(self, batch_size: int, pinned: bool = False, with_prompts: bool = False) -> int:
+        """The k of the decode step about to run (K when pinned; 0 beside prompt chunks where the policy
+        says so, the draft's state unchanged); its time runs until finish_step."""
+        if pinned:
+            k = self.max_k
+        elif with_prompts and self.plain_beside_prompts:
+            k = 0
+        else:
+            k = self.choose(batch_size)
+        # A step timed None: its time is not read (a clock that counts CPU time costs a system call).
+        self._step, self._uncounted = (batch_size, k, self.clock() if self.timed(batch_size, k) else None), 0.0
         return k
+
+    def timed(self, batch_size: int, k: int) -> bool:
+        """Whether the step about to run is timed: fixed k learns nothing from its steps."""
+        return False
 
     @contextmanager
     def uncounted(self):
@@ -145,13 +220,30 @@ class Speculation:
         finally:
             self._uncounted += self.clock() - started
 
+    @contextmanager
+    def catching_up(self):
+        """Uncounted work of the draft reading tokens; add each forward's tokens to the list it gives:
+        their time per token is the draft's reading cost."""
+        tokens: list[int] = []
+        started = self.clock()
+        with self.uncounted():
+            yield tokens
+        if sum(tokens):
+            self.observe_read(sum(tokens), self.clock() - started)
+
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def observe_traffic(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """A step's prompt tokens prefilled and tokens generated."""
+
     def finish_step(self, num_accepted: list[int] | None, measured: bool = True) -> None:
         """Accepted proposals per row (None for a plain step) of the step start_step began; `measured`:
         its time is its decoding's (not where prompts' chunks shared its forward)."""
         if self._step is None:
             raise RuntimeError("finish_step without start_step")
         batch_size, k, started = self._step
-        if measured:
+        if measured and started is not None:
             self.observe(batch_size, k, self.clock() - started - self._uncounted, num_accepted)
 
     def choose(self, batch_size: int) -> int:
@@ -164,10 +256,15 @@ class Speculation:
 class AdaptiveSpeculation(Speculation):
     """Per step, the k in 0..K with the most expected tokens per second of step."""
 
+    plain_beside_prompts = True
+
     def __init__(self, max_k: int, clock: Callable[[], float] = time.perf_counter):
         super().__init__(max_k, clock)
         self.acceptance = Acceptance()
         self.costs = StepCosts()
+        self.reading = Reading()
+        self._waking: tuple[int, int] | None = None  # (bucket, k) of a probe that wakes the draft
+        self._plain_steps = 0
         self._probes: dict[int, ProbeSchedule] = {}
 
     def choose(self, batch_size: int) -> int:
@@ -176,33 +273,69 @@ class AdaptiveSpeculation(Speculation):
             return self.costs.unmeasured[1]  # again, now: a probe's draft is caught up for this step alone
         probes = self._probes.setdefault(b, ProbeSchedule())
         # Both ends are measured first (K also measures acceptance): the costs between are interpolated.
-        # Awake, K goes first; dormant, plain does, and K waits for the bucket's first probe, as waking costs.
+        # Awake, K goes first, then plain, FIRST_SAMPLES steps each (one step's noise would decide);
+        # dormant, plain does, and K waits for the bucket's first probe, as waking costs.
         known_k = self.costs.known(b, K)
-        if not known_k and self.awake:
+        if self.awake and self.costs.count(b, K) < FIRST_SAMPLES:
             return K
-        if not self.costs.known(b, 0):
+        if self.costs.count(b, 0) < (FIRST_SAMPLES if known_k else 1):
             return 0
         if not known_k:
             return K if probes.due(0) else 0
-        best = self._best(b)
-        if probes.due(best):  # each other k in turn, so no estimate goes stale
+        rate = self._rates(b)
+        best = self._best(rate)
+        # Each other k in turn, so no estimate goes stale; while dormant, not where proposals are far
+        # behind (but at the longest interval, whatever the estimates say).
+        if probes.due(best) and (self.awake or best or probes.interval >= MAX_PROBE_EVERY
+                                 or max(rate[k] for k in range(1, K + 1)) >= PROBE_HOPE * rate[0]):
             others = [k for k in range(K + 1) if k != best]
-            return others[probes.count % len(others)]
+            k = others[probes.count % len(others)]
+            if not self.awake:  # the draft's weights and cache are cold: the next step measures it
+                self._waking = (b, k)
+            return k
         self.current = best
         return best
 
-    def _best(self, b: int) -> int:
-        alpha = self.acceptance.rate or 0.0
-        rate = {k: expected_tokens(alpha, k) / self.costs.estimate(b, k) for k in range(self.max_k + 1)}
+    def timed(self, batch_size: int, k: int) -> bool:
+        """Every step that proposes; of plain steps, those a bucket has no measure of yet and one in
+        PLAIN_SAMPLE otherwise (their cost moves slowly; timing one costs a clock read a step)."""
+        if k:
+            return True
+        self._plain_steps += 1
+        return self._plain_steps % PLAIN_SAMPLE == 0 or self.costs.count(bucket(batch_size), 0) < FIRST_SAMPLES \
+            or self.costs.unmeasured == (bucket(batch_size), 0)
+
+    def _rates(self, b: int) -> dict[int, float]:
+        """Expected tokens per second per row for each k, the draft's prompt reading charged to proposals."""
+        alpha, read = self.acceptance.rate or 0.0, self.reading.per_token()
+        plain = self.costs.estimate(b, 0)
+        rate = {0: 1 / plain}
+        for k in range(1, self.max_k + 1):
+            tokens = expected_tokens(alpha, k)
+            rate[k] = tokens / (plain * self.costs.relative(b, k) + tokens * read)
+        return rate
+
+    def _best(self, rate: dict[int, float]) -> int:
         best = max(rate, key=lambda k: rate[k])
         return best if rate[best] >= (STAY_GAIN if self.awake else MIN_GAIN) * rate[0] else 0
 
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        self.reading.observe_read(tokens, seconds)
+
+    def observe_traffic(self, prompt_tokens: int, generated_tokens: int) -> None:
+        self.reading.observe_traffic(prompt_tokens, generated_tokens)
+
     def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
-        self.costs.observe(bucket(batch_size), k, seconds / batch_size)
+        if self._waking == (bucket(batch_size), k):  # left out as a first step is; choose() runs k again
+            self._waking = None
+            self.costs.leave_out(bucket(batch_size), k)
+        else:
+            self.costs.observe(bucket(batch_size), k, seconds / batch_size)
         if k and num_accepted is not None:
             self.acceptance.observe(k, num_accepted)
 
 
-def speculation_policy(mode: str, max_k: int) -> Speculation:
-    """The policy the engine asks for k: --speculation fixed|adaptive, K the upper bound."""
-    return AdaptiveSpeculation(max_k) if mode == "adaptive" and max_k else Speculation(max_k)
+def speculation_policy(mode: str, max_k: int, clock: Callable[[], float] = time.perf_counter) -> Speculation:
+    """The policy the engine asks for k: --speculation fixed|adaptive, K the upper bound; `clock` times
+    its steps."""
+    return AdaptiveSpeculation(max_k, clock) if mode == "adaptive" and max_k else Speculation(max_k, clock)
