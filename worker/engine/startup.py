@@ -56,16 +56,18 @@ def merged(phases: Iterable[StartupPhases]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector stays off inside, and collects once at the end: importing torch and
-    transformers creates objects by the hundred thousand, each of them kept, and the collections they
-    trigger (several full ones, each walking everything imported so far) took a sixth of the imports'
-    time. The one collection after frees the same garbage before the engine measures anything. A
-    collector that was already off stays off (the caller that turned it off turns it back on)."""
+    """The cyclic garbage collector stays off inside, and what was made inside is frozen after
+    (gc.freeze: later collections skip it). Importing torch and transformers makes half a million
+    objects that live as long as the process, and the collections they triggered (several full ones,
+    each walking everything imported so far) took a sixth of the imports' time; one full collection
+    after them still took a tenth. The few thousand objects in garbage cycles among them (no RSS one
+    can measure) are freed by the first full collection after the engine's load unfreezes them
+    (collecting_only_new_objects). A collector that was already off stays off."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
         if was_enabled:
             gc.enable()
-            gc.collect()
