@@ -56,8 +56,8 @@ def merged(phases: Iterable[StartupPhases]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector stays off inside, and what was made inside is frozen after
-    (gc.freeze: later collections skip it). Importing torch and transformers makes half a million
+    """The cyclic garbage collector stays off inside, and every object alive at the end is frozen
+    (gc.freeze: later collections skip them). Importing torch and transformers makes half a million
     objects that live as long as the process, and the collections they triggered (several full ones,
     each walking everything imported so far) took a sixth of the imports' time; one full collection
     after them still took a tenth. The few thousand objects in garbage cycles among them (no RSS one
