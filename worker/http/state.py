@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
 from worker.config import EngineConfig
-from worker.engine.startup import StartupPhases, merged
+from worker.engine.startup import StartupPhases, collector_paused, merged
 from worker.http.drain import Drain
 from worker.http.engine_loop import EngineLoop
 from worker.http.errors import APIError
@@ -114,7 +114,8 @@ def load_engine(config: EngineConfig, settings: ServerSettings, encoder: PromptE
                 engine_factory: EngineFactory | None, startup: StartupPhases) -> LLMEngine:
     """On the engine thread: the engine's libraries, the server's tokenizer, then the engine (an LLMEngine
     unless a factory is given) with the requests the server may hold in flight in its ledger."""
-    with startup.phase("imports"):  # torch, transformers and the models: the HTTP side never needs them
+    # torch, transformers and the models: the HTTP side never needs them
+    with startup.phase("imports"), collector_paused():
         from worker.engine.llm_engine import LLMEngine
         from worker.http.request_state import requests_in_flight
         from worker.models.loader import import_model_libraries
