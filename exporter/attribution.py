@@ -75,11 +75,16 @@ def attribute(devices: Iterable[DeviceMemory], states: Mapping[str, EngineState]
     for dev in devices:
         if dev.processes is None:
             continue
-        engines = [p for p in dev.processes if p.pid in owner]
-        foreign = [p for p in dev.processes if p.pid not in owner]
-        for url in dict.fromkeys(owner[p.pid] for p in engines):
+        by_engine: dict[str, list[ProcessMemory]] = {}  # in the order their first process comes
+        foreign = []
+        for p in dev.processes:
+            url = owner.get(p.pid)
+            if url is None:
+                foreign.append(p)
+            else:
+                by_engine.setdefault(url, []).append(p)
+        for url, mine in by_engine.items():
             used_on.setdefault(url, []).append(dev)
-            mine = [p for p in engines if owner[p.pid] == url]
             out.processes.extend(ProcessRow(dev.device, dev.uuid, str(p.pid), p.name, ENGINE, url, p.measure,
                                             p.bytes) for p in mine if p.bytes is not None)
             observed = _sum(mine)
@@ -87,7 +92,7 @@ def attribute(devices: Iterable[DeviceMemory], states: Mapping[str, EngineState]
                 declared = states[url].declared_on(dev)
                 out.engines.append(EngineRow(url, dev.device, observed,
                                              None if declared is None else unaccounted(observed, declared)))
-        shown = sum(1 for p in engines if p.bytes is not None)
+        shown = sum(1 for mine in by_engine.values() for p in mine if p.bytes is not None)
         out.processes.extend(_foreign_rows(dev, foreign, max(0, max_processes - shown)))
         out.devices.append(DeviceRow(dev.device, dev.uuid, _sum(foreign),
                                      _minus(dev.used, _sum(dev.processes))))

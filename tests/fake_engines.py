@@ -4,10 +4,11 @@ exact shapes of that engine's own routes (tests/engine_shapes.py says where each
     python tests/fake_engines.py ROUTES_FILE [--children N] [--host 127.0.0.1]
     LAUNCHER tests/fake_engines.py --launch SHARDS -- PYTHON tests/fake_engines.py ROUTES_FILE ...
 
-ROUTES_FILE is JSON, {path: {"status": 200, "type": "application/json", "body": "..."}}, read again on
-each request, so a test changes what the engine answers (a model loading, a restart's 503) by writing
-it anew; a path it lacks answers 404. The server starts N child processes first, as SGLang's schedulers
-or Ollama's runners are children of the process on its port, then prints "port P children A B" (the
+ROUTES_FILE is JSON, {path: {"status": 200, "type": "application/json", "body": "..."}}, looked at on
+each request (parsed again where it is a new file, as FakeEngine.serve replaces it), so a test changes
+what the engine answers (a model loading, a restart's 503) by writing it anew; a path it lacks answers
+404. The server starts N child processes first, as SGLang's schedulers or Ollama's runners are
+children of the process on its port, then prints "port P children A B" (the
 children's pids); everything exits when its stdin closes. With --launch, run through a link named as
 an engine's launcher (TGI's text-generation-launcher), it starts that server and SHARDS sibling processes,
 as the launcher starts TGI's router and shards.
@@ -15,6 +16,7 @@ as the launcher starts TGI's router and shards.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -39,7 +41,32 @@ def launch(server: list[str], shards: int) -> None:
         proc.wait()
 
 
+class Answers:
+    """The routes file's answers, {path: (status, type, body bytes)}, parsed again only once the file
+    is another: FakeEngine.serve replaces it whole, so a new file is a new inode, and the one parsed is
+    held open so that no new file can be given its inode."""
+
+    def __init__(self, routes: Path):
+        self._routes = routes
+        self._lock = threading.Lock()
+        self._held: io.BufferedReader | None = None
+        self._answers: dict[str, tuple[int, str, bytes]] = {}
+
+    def current(self) -> dict[str, tuple[int, str, bytes]]:
+        with self._lock:
+            if self._held is None or os.stat(self._routes).st_ino != os.fstat(self._held.fileno()).st_ino:
+                fresh = self._routes.open("rb")
+                table = json.loads(fresh.read())
+                self._answers = {path: (route.get("status", 200), route.get("type", "application/json"),
+                                        route["body"].encode()) for path, route in table.items()}
+                if self._held is not None:
+                    self._held.close()
+                self._held = fresh
+            return self._answers
+
+
 def serve(routes: Path, children: int, host: str) -> None:
+    answers = Answers(routes)
     kids = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
             for _ in range(children)]
 
@@ -48,10 +75,7 @@ def serve(routes: Path, children: int, host: str) -> None:
         disable_nagle_algorithm = True
 
         def do_GET(self):
-            route = json.loads(routes.read_text()).get(self.path)
-            status, kind, body = (404, "text/plain", "") if route is None else (
-                route.get("status", 200), route.get("type", "application/json"), route["body"])
-            data = body.encode()
+            status, kind, data = answers.current().get(self.path, (404, "text/plain", b""))
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))

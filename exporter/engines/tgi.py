@@ -37,13 +37,27 @@ class LauncherLocator(PortLocator):
     """The process tree of the launcher whose router listens on the URL's port (the router's own where
     it has no launcher parent)."""
 
+    # (the router, its start, the root of its tree): asked each scrape, the parent looked up once a router
+    _top: tuple[int, float | None, int] | None = None
+
     def _root(self) -> int:
         router = super()._root()
-        try:
-            parent = psutil.Process(router).parent()
-            return parent.pid if parent is not None and parent.name() == LAUNCHER else router
-        except psutil.Error:  # gone or hidden: the router's tree, as for any other engine
-            return router
+        if self._top is None or self._top[:2] != (router, self._created):
+            self._top = router, self._created, _launcher_of(router)
+        return self._top[2]
+
+    def forget(self) -> None:
+        super().forget()
+        self._top = None
+
+
+def _launcher_of(router: int) -> int:
+    """The router's parent where that is the launcher, else the router itself."""
+    try:
+        parent = psutil.Process(router).parent()
+        return parent.pid if parent is not None and parent.name() == LAUNCHER else router
+    except psutil.Error:  # gone or hidden: the router's tree, as for any other engine
+        return router
 
 
 @dataclass(frozen=True)
