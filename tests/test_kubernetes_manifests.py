@@ -17,7 +17,7 @@ from kubernetes_validate import utils as kv
 
 from exporter.cli import build_parser as exporter_parser
 from exporter.engines.kinds import POD_LABEL as ENGINE_LABEL
-from exporter.engines.registry import kind_named
+from exporter.engines.registry import kinds
 from exporter.kubernetes import PORT_ANNOTATION
 from worker.cli import build_parser as worker_parser
 from worker.http.settings import SHUTDOWN_MARGIN
@@ -275,19 +275,30 @@ def test_engine_pods_are_scraped_on_the_port_the_exporter_reads(base):
     monitor = one(base, "PodMonitor", "vramledger-engines")
     spec = monitor["spec"]
     assert spec["jobLabel"] == ENGINE_LABEL and spec["namespaceSelector"] == {"any": True}
-    # vLLM's pods, and not our worker's: its ServiceMonitor scrapes it already.
-    assert selects(spec["selector"], {ENGINE_LABEL: "vllm", "app": "vllm"})
+    # The pods of every kind that serves its own /metrics (a signature there), and not our worker's:
+    # its ServiceMonitor scrapes it already.
+    scraped = [kind for kind in kinds() if kind.signature is not None and kind.name != "vramledger"]
+    assert {kind.name for kind in scraped} >= {"vllm", "sglang"}
+    for kind in kinds():
+        assert selects(spec["selector"], {ENGINE_LABEL: kind.name, "app": "x"}) == (kind in scraped), kind.name
     worker_pod = one(base, "Deployment", "vramledger-worker")["spec"]["template"]["metadata"]["labels"]
     assert not selects(spec["selector"], worker_pod)
     assert not selects(spec["selector"], {"app": "vllm"})
     [endpoint] = spec["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics"
-    # Service discovery gives one target per declared container port: the one the exporter reads is kept.
-    port = "__meta_kubernetes_pod_container_port_number"
-    kept = lambda annotations, number: relabel(endpoint["relabelings"], {**annotations, port: number}) is not None
-    assert kept({meta_label(PORT_ANNOTATION): "8080"}, "8080")
-    assert not kept({meta_label(PORT_ANNOTATION): "8080"}, "9000")
-    assert kept({}, str(kind_named("vllm").port)) and not kept({}, "8080")  # vLLM's default port
+    # Service discovery gives one target per declared container port: the one the exporter reads is kept,
+    # the annotation's, else the kind's default port.
+    port, engine = "__meta_kubernetes_pod_container_port_number", "__meta_kubernetes_pod_label_vramledger_io_engine"
+
+    def kept(kind: str, annotations: dict, number: int) -> bool:
+        target = {**annotations, engine: kind, port: str(number)}
+        return relabel(endpoint["relabelings"], target) is not None
+
+    for kind in scraped:
+        other = kind.port + 1
+        assert kept(kind.name, {}, kind.port) and not kept(kind.name, {}, other), kind.name
+        assert kept(kind.name, {meta_label(PORT_ANNOTATION): str(other)}, other)
+        assert not kept(kind.name, {meta_label(PORT_ANNOTATION): str(other)}, kind.port)
 
 
 def test_the_engine_monitor_relabelings_are_valid_prometheus(base, tmp_path):
