@@ -152,7 +152,7 @@ def test_engines_on_this_node_are_discovered_by_label(api, clock, worker_pod):
         pod("starting", "inference", NODE, phase="Pending", labels={"vramledger.io/engine": "vramledger"}),
         pod("other-node", "inference", "gpu-node-2", ip="10.244.2.5", labels={"vramledger.io/engine": "vllm"}),
         pod("unlabelled", "inference", NODE, ip="10.244.1.31"),
-        pod("unknown-kind", "inference", NODE, ip="10.244.1.32", labels={"vramledger.io/engine": "tgi"}),
+        pod("unknown-kind", "inference", NODE, ip="10.244.1.32", labels={"vramledger.io/engine": "no-such-engine"}),
     ]
     errors = ErrorLog()
     api.pods.append(pod("bad-port", "inference", NODE, ip="10.244.1.33", labels={"vramledger.io/engine": "vllm"},

@@ -59,9 +59,10 @@ def vllm_servers():
 @pytest.fixture(scope="module")
 def stack(checkpoints, vllm_servers, tmp_path_factory):
     floor = foreign_floor()
-    vllm_args = [arg for url in vllm_servers for arg in ("--vllm", url)]
-    s = LocalStack(tmp_path_factory.mktemp("stack"), scrape_interval="1s", rule_for="2s",
-                   exporter_args=["--min-process-memory", str(floor), *vllm_args], worker_args=[
+    # The vLLM servers are watched by the exporter and scraped by Prometheus (job vllm), as with
+    # `make run VLLM=URL`: the recording rules over vLLM's own counters have data too.
+    s = LocalStack(tmp_path_factory.mktemp("stack"), scrape_interval="1s", rule_for="2s", vllm_urls=vllm_servers,
+                   exporter_args=["--min-process-memory", str(floor)], worker_args=[
         "--model", checkpoints["llama"], "--draft-model", checkpoints["llama-draft"], "--max-model-len", "256"])
     try:
         s.start(timeout=180)
