@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 TOO_SLOW = b"the request's headers took too long to arrive"
 REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
                    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(TOO_SLOW), TOO_SLOW))
+# Seconds a connection closed with a 408 still reads, and drops, what its client sends after the
+# answer: a socket closed with unread data resets the connection, and the reset can destroy the 408
+# before the client has read it (a lingering close, as web servers do).
+LINGER = 2.0
 
 
 def intake_protocol(keep_alive_timeout: float, header_timeout: float) -> type[asyncio.Protocol]:
@@ -31,9 +35,12 @@ def intake_protocol(keep_alive_timeout: float, header_timeout: float) -> type[as
             super().connection_made(transport)
             self.timeout_keep_alive = keep_alive_timeout  # uvicorn's, after each response
             self.header_deadline: asyncio.TimerHandle | None = None
+            self.lingering = False
             self.timeout_keep_alive_task = self.loop.call_later(keep_alive_timeout, self.timeout_keep_alive_handler)
 
         def data_received(self, data: bytes) -> None:
+            if self.lingering:  # answered and closing: what the client still sends is dropped
+                return
             if self.between_requests() and self.header_deadline is None:  # a request's first bytes
                 self.header_deadline = self.loop.call_later(header_timeout, self.headers_too_slow)
             super().data_received(data)
@@ -68,7 +75,14 @@ def intake_protocol(keep_alive_timeout: float, header_timeout: float) -> type[as
                 log.info("closed a connection from %s: its request's headers took more than %g s",
                          peer(self.client), header_timeout)
                 self.transport.write(REQUEST_TIMEOUT)
-                self.transport.close()
+                self.close_lingering()
+
+        def close_lingering(self) -> None:
+            """Sends the end of the answer (a FIN after it), reads on for LINGER seconds, then closes."""
+            self.lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER, self.transport.close)
 
     return IntakeProtocol
 
