@@ -47,13 +47,7 @@ class LlamacppEngine(PortEngine):
             version, model = self.fact("props", lambda: parse_props(self.json("/props")))
         except ValueError as e:
             raise Wrong(f"{self.url}/props: {e}") from None
-        return EngineState(pids, EngineInfo(NAME, version, model), self._kv_usage())
-
-    def _kv_usage(self) -> float | None:
-        metrics = self.optional("/metrics")
-        if metrics is None:
-            return None
-        return max((s.value for s in self.samples(metrics, (KV_USAGE,))), default=None)
+        return EngineState(pids, EngineInfo(NAME, version, model), self.fullest(KV_USAGE))
 
 
 KIND = EngineKind(

@@ -84,6 +84,14 @@ class PortEngine:
         except ValueError as e:
             raise Wrong(f"{self.url}{path}: {e}") from None
 
+    def fullest(self, series: str) -> float | None:
+        """The largest value of a usage series on the server's /metrics (its fullest scheduler, the one
+        that queues first), where the server serves /metrics; None where it does not."""
+        metrics = self.optional("/metrics")
+        if metrics is None:
+            return None
+        return max((s.value for s in self.samples(metrics, (series,))), default=None)
+
     def pids(self) -> frozenset[int]:
         """Its processes behind its port; frozenset() where none can be seen (counted once per cause)."""
         try:

@@ -119,16 +119,9 @@ class SglangEngine(PortEngine):
                 raise
             raise Wrong(f"{self.url}/get_server_info: {e}") from None
         pids = self.pids()
-        return EngineState(pids, EngineInfo(NAME, info.version, info.model), self._kv_usage(),
+        return EngineState(pids, EngineInfo(NAME, info.version, info.model), self.fullest(TOKEN_USAGE),
                            declared_share=None if info.ranks else info.mem_fraction_static, ranks=info.ranks,
                            token_capacity=info.token_capacity)
-
-    def _kv_usage(self) -> float | None:
-        """The fullest scheduler's token usage, where the server serves /metrics (--enable-metrics)."""
-        metrics = self.optional("/metrics")
-        if metrics is None:
-            return None
-        return max((s.value for s in self.samples(metrics, (TOKEN_USAGE,))), default=None)
 
 
 KIND = EngineKind(
