@@ -22,11 +22,11 @@ COPY vramledger ./vramledger
 # Not editable: the shipped tiny target/draft pair is installed as package data. The Kubernetes
 # client is the exporter's --kubernetes (the DaemonSet).
 RUN pip install '.[kubernetes]' \
- && python -c "import worker, exporter, vramledger, pynvml, kubernetes" \
- && python -m worker.kernels.native "$VRAMLEDGER_KERNELS_DIR"
+ && python -c "import vramledger.worker, vramledger.exporter, pynvml, kubernetes" \
+ && python -m vramledger.worker.kernels.native "$VRAMLEDGER_KERNELS_DIR"
 
 # Worker API + /metrics on 8000, exporter /metrics on 9400.
 EXPOSE 8000 9400
 
 # The worker with the shipped tiny pair; pass --model/--draft-model for real ones.
-CMD ["python", "-m", "worker", "serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["python", "-m", "vramledger.worker", "serve", "--host", "0.0.0.0", "--port", "8000"]

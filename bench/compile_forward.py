@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from worker.config import DEFAULT_MODEL
-from worker.models.attention import build_paged_batch
-from worker.models.compiled import compile_model
-from worker.models.loader import load_model
+from vramledger.worker.config import DEFAULT_MODEL
+from vramledger.worker.models.attention import build_paged_batch
+from vramledger.worker.models.compiled import compile_model
+from vramledger.worker.models.loader import load_model
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from worker.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 # name: (streams, prompt tokens, output tokens, shared prefix tokens), bench/serve.py's loads

@@ -44,7 +44,7 @@ def vllm_server(procs: list[subprocess.Popen]) -> str:
 
 def mixed_kinds(n: int) -> list:
     """n engine kinds, every registered kind in turn (sorted by name), so each is within one of n / kinds."""
-    from exporter.engines.registry import kinds
+    from vramledger.exporter.engines.registry import kinds
     ordered = sorted(kinds(), key=lambda kind: kind.name)
     return [ordered[i % len(ordered)] for i in range(n)]
 
@@ -54,7 +54,7 @@ def start_mixed(n: int, procs: list[subprocess.Popen], tmp: Path) -> list[str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from fake_engines import FakeEngine, kind_routes
 
-    from exporter.engines import vllm, vramledger
+    from vramledger.exporter.engines import vllm, vramledger
     routes = {kind.name: answers for kind, answers in kind_routes()}
 
     def spawn(args: list[str], **kwargs) -> subprocess.Popen:

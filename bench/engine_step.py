@@ -29,10 +29,10 @@ WORKLOADS = [(1, False), (1, True), (16, False), (16, True)]  # (batch, with the
 
 def one_run(batch: int, draft: bool, tokens: int, greedy: bool) -> dict:
     """In the child process: tokens/s of one timed generate() after a warm-up."""
-    import worker
-    from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
-    from worker.engine.llm_engine import LLMEngine
-    from worker.engine.sampling_params import SamplingParams
+    import vramledger.worker as worker
+    from vramledger.worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+    from vramledger.worker.engine.llm_engine import LLMEngine
+    from vramledger.worker.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, draft_model=DEFAULT_DRAFT_MODEL if draft else None,
                                     max_num_seqs=16, max_model_len=512))

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a plain script: the repository's packages, installed or not
 from engine_fleet import cpu_seconds, footprint, ledger_worker, serving, start_mixed, tree, vllm_server  # noqa: E402
 
-from worker.selfcheck.processes import ProcessExited, WaitTimedOut, wait_until  # noqa: E402
+from vramledger.worker.selfcheck.processes import ProcessExited, WaitTimedOut, wait_until  # noqa: E402
 
 PY = sys.executable
 TARGET_MS = 50.0  # p99 of every mode but the mixed node's
@@ -65,7 +65,7 @@ def serve_fake_nvml(worker_pid: int, exporter_args: list[str]) -> int:
                     processes=[proc(pid(g, s), f"job{s}", 0.25 + s / 128) for s in range(PROCESSES)])
             for g in range(GPUS)]
     sys.modules["pynvml"] = FakePynvml(gpus)
-    from exporter.cli import main
+    from vramledger.exporter.cli import main
     return main(["--backend", "nvml", *exporter_args])
 
 
@@ -148,7 +148,7 @@ def main() -> None:
                 for _ in range(FLEET):
                     fleet += ["--vllm", vllm_server(procs), "--worker", ledger_worker(procs)]
                 modes[f"fleet: host, {FLEET} vLLM + {FLEET} workers"] = [
-                    PY, "-m", "exporter", "--backend", "host", "--port", "0", *fleet]
+                    PY, "-m", "vramledger.exporter", "--backend", "host", "--port", "0", *fleet]
             common = ["--port", "0", "--worker", worker]
             if "nvml" in chosen:
                 fake = [PY, "bench/exporter.py", "--serve-fake-nvml", str(worker_pid), *common]
@@ -156,7 +156,7 @@ def main() -> None:
                 modes[f"nvml (fake) {GPUS}x{PROCESSES}, --max-processes {PROCESSES}"] = [
                     *fake, "--max-processes", str(PROCESSES)]
             if "host" in chosen:
-                modes["host: this machine, 1 worker"] = [PY, "-m", "exporter", "--backend", "host", *common]
+                modes["host: this machine, 1 worker"] = [PY, "-m", "vramledger.exporter", "--backend", "host", *common]
             if "mixed" in chosen:
                 before = len(procs)
                 mixed = start_mixed(MIXED, procs, Path(tmp))
@@ -164,7 +164,7 @@ def main() -> None:
                 print(f"mixed node: {MIXED} engines in {count} processes, {pss / 2**20:.0f} MiB PSS in all",
                       file=sys.stderr)
                 name = f"mixed: host, {MIXED} engines of {len(set(mixed[::2]))} kinds"
-                modes[name] = [PY, "-m", "exporter", "--backend", "host", "--port", "0", *mixed]
+                modes[name] = [PY, "-m", "vramledger.exporter", "--backend", "host", "--port", "0", *mixed]
                 goals[name] = (MIXED_TARGET_MS, MIXED_RSS_MIB)
                 fleets[name] = tree(procs[before:])
             modes[PEER] = [PY, "-c", PEER_CODE]

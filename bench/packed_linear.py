@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from alternating import alternate, ratio, spread
 
-from worker.config import DEFAULT_MODEL
-from worker.kernels import blocked_linear
-from worker.models.loader import load_model
+from vramledger.worker.config import DEFAULT_MODEL
+from vramledger.worker.kernels import blocked_linear
+from vramledger.worker.models.loader import load_model
 
 PACK_BATCH_HINT = 32  # the row count the packing is tuned for (vLLM's choice)
 

@@ -19,9 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.kernels import paged_attention
-from worker.models.attention import GatherWorkspace, build_paged_batch
-from worker.models.llama import read_context
+from vramledger.worker.kernels import paged_attention
+from vramledger.worker.models.attention import GatherWorkspace, build_paged_batch
+from vramledger.worker.models.llama import read_context
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 8, 4, 32, 16, 8
 SHAPES = [(1, 1), (4, 1), (16, 1), (32, 1), (1, 5), (16, 5), (32, 5)]  # (rows, new tokens a row)

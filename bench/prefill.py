@@ -41,12 +41,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
-from worker.engine import model_runner
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
-from worker.kernels import paged_attention, prefill_attention, rotate_store
-from worker.models import attention, decoder_forward, llama
+from vramledger.worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+from vramledger.worker.engine import model_runner
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.kernels import paged_attention, prefill_attention, rotate_store
+from vramledger.worker.models import attention, decoder_forward, llama
 
 PATHS = ("ours", "ours, layers in torch", "before")
 CPU = torch.device("cpu")

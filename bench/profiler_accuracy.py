@@ -2,7 +2,7 @@
 
 Engine mode (default): after start-up, every one of max_num_seqs requests runs to max_model_len
 with speculative sampling; the process's peak memory (VmHWM on CPU, NVML/torch on CUDA) is
-compared with the ledger. HTTP mode (--http): the worker runs under `python -m worker serve`
+compared with the ledger. HTTP mode (--http): the worker runs under `python -m vramledger.worker serve`
 and is loaded through its API with more requests than the KV cache holds, until requests are
 preempted; the worker's RSS is sampled from outside (psutil, every 2 ms) against its budget.
 Each run is a fresh process; --runs N prints min / median / max.
@@ -26,8 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from worker.cli import add_engine_flags, add_waiting_flag, engine_config
-from worker.selfcheck.processes import free_port, stop_group, wait_http
+from vramledger.worker.cli import add_engine_flags, add_waiting_flag, engine_config
+from vramledger.worker.selfcheck.processes import free_port, stop_group, wait_http
 
 MiB = 1 << 20
 KV_SHARE_TARGET = 0.95
@@ -44,8 +44,8 @@ def kv_share(kv: int, budget: int, peak: int) -> float:
 
 # --- one engine run, in this process ---
 def engine_run(args) -> dict:
-    from worker.engine.llm_engine import LLMEngine
-    from worker.engine.sampling_params import SamplingParams
+    from vramledger.worker.engine.llm_engine import LLMEngine
+    from vramledger.worker.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config(args))
     ledger, device, c = engine.ledger, engine.device, engine.config
@@ -102,7 +102,7 @@ def http_run(args, engine_flags: list[str]) -> dict:
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "worker", "serve", "--port", str(port), "--log-level", "WARNING",
+    cmd = [sys.executable, "-m", "vramledger.worker", "serve", "--port", str(port), "--log-level", "WARNING",
            *engine_flags]
     fd, log = tempfile.mkstemp(prefix="profiler-accuracy-worker-", suffix=".log")
     worker = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=fd)

@@ -18,10 +18,10 @@ import argparse
 import torch
 from alternating import alternate, ratio, spread
 
-from worker.engine.sampler import RowParams, draw, inverse_cdf, probabilities, sample
-from worker.engine.sampling_params import SamplingParams
-from worker.kernels import draw_tokens
-from worker.memory.device import fix_mmap_threshold
+from vramledger.worker.engine.sampler import RowParams, draw, inverse_cdf, probabilities, sample
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.kernels import draw_tokens
+from vramledger.worker.memory.device import fix_mmap_threshold
 
 
 def main() -> None:

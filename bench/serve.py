@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # run as a plain script
 from vllm_peer import STARTUP_TIMEOUT, vllm_command, vllm_python  # noqa: E402
 
-from worker.selfcheck.processes import free_port, wait_http  # noqa: E402
+from vramledger.worker.selfcheck.processes import free_port, wait_http  # noqa: E402
 
 ASSETS = ROOT / "worker" / "assets"
 SERVERS = ("vllm", "vllm-draft", "transformers", "transformers-cb", "ours", "ours-draft", "ours-draft-adaptive",
@@ -174,7 +174,7 @@ def build_servers(args, port_for) -> dict[str, Server | str]:
 
 def our_server(name: str, args, port: int, draft: bool, env: dict | None = None,
                speculation: str = "fixed", compiled: bool = False) -> Server:
-    command = [sys.executable, "-m", "worker", "serve", "--model", args.model, "--device", "cpu",
+    command = [sys.executable, "-m", "vramledger.worker", "serve", "--model", args.model, "--device", "cpu",
                "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "2048",
                "--log-level", "warning", "--port", str(port)]
     command += ["--draft-model", args.draft_model, "--num-speculative-tokens", str(args.k),

@@ -57,7 +57,7 @@ def step_kind(batch) -> str:
 def trace_steps(engine, record) -> None:
     """record(kind, *step, *forward, *kernel) for every step the engine runs from now on: each the
     (wall, CPU, queued) seconds of the engine thread's clock. Call it on that thread."""
-    from worker.kernels import decoder_layers
+    from vramledger.worker.kernels import decoder_layers
 
     forward, kernel, depth, scheduled = [0.0] * 3, [0.0] * 3, [0], []
     runner, schedule, step = engine.runner, engine.scheduler.schedule, engine.step
@@ -113,8 +113,8 @@ def trace_steps(engine, record) -> None:
 
 def serve(trace: Path, argv: list[str]) -> int:
     """The worker, its steps traced into `trace` (one line a step) once the engine has loaded."""
-    from worker.cli import main
-    from worker.http import engine_loop
+    from vramledger.worker.cli import main
+    from vramledger.worker.http import engine_loop
 
     out = open(trace, "w", buffering=1)
     run = engine_loop.EngineLoop._run
@@ -219,10 +219,10 @@ def served(args) -> tuple[list[tuple], tuple[float, float, float], str]:
 
 
 def alone(args, runs: int) -> list[tuple]:
-    from worker.cli import thread_settings  # the served steps' threads
-    from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
-    from worker.engine.llm_engine import LLMEngine
-    from worker.engine.sampling_params import SamplingParams
+    from vramledger.worker.cli import thread_settings  # the served steps' threads
+    from vramledger.worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+    from vramledger.worker.engine.llm_engine import LLMEngine
+    from vramledger.worker.engine.sampling_params import SamplingParams
 
     draft = DEFAULT_DRAFT_MODEL if args.draft else None
     engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, draft_model=draft, max_num_seqs=8, max_model_len=2048,

@@ -23,9 +23,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args()
 
-    from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
-    from worker.engine.llm_engine import LLMEngine
-    from worker.engine.sampling_params import SamplingParams
+    from vramledger.worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+    from vramledger.worker.engine.llm_engine import LLMEngine
+    from vramledger.worker.engine.sampling_params import SamplingParams
 
     steps = args.repeats * args.calls
     engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, draft_model=DEFAULT_DRAFT_MODEL,

@@ -12,9 +12,9 @@ import time
 import torch
 import transformers
 
-from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
+from vramledger.worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
            "    def __repr__(self):\n", "def parse_args(argv):\n    parser = ", "try:\n    import json\n",

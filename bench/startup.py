@@ -1,4 +1,4 @@
-"""Time to ready: `python -m worker serve` started afresh N times, each timed from the moment its process is
+"""Time to ready: `python -m vramledger.worker serve` started afresh N times, each timed from the moment its process is
 started to its first GET /health 200. Prints min / median / max over the runs and the median of each
 start-up phase the worker published (vramledger_startup_seconds). With --vllm, vLLM's CPU build serving the
 same target is started as many times in the same run, the two alternating, and the ratio of the medians
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from vllm_peer import STARTUP_TIMEOUT, vllm_command  # noqa: E402
 
-from worker.config import DEFAULT_MODEL  # noqa: E402
-from worker.selfcheck.processes import stop_group  # noqa: E402
+from vramledger.worker.config import DEFAULT_MODEL  # noqa: E402
+from vramledger.worker.selfcheck.processes import stop_group  # noqa: E402
 
 POLL_S = 0.05  # /health is asked this often: the figure's resolution
 
@@ -92,7 +92,7 @@ def main() -> int:
     per_phase: dict[str, list[float]] = {}
     for i in range(1, args.runs + 1):
         port = free_port()
-        cmd = [sys.executable, "-m", "worker", "serve", "--port", str(port), *serve_flags]
+        cmd = [sys.executable, "-m", "vramledger.worker", "serve", "--port", str(port), *serve_flags]
         seconds, metrics = time_to_ready(cmd, f"http://127.0.0.1:{port}", args.logdir / f"worker-{i}.log")
         ours.append(seconds)
         for phase, value in phases(metrics).items():

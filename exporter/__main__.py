@@ -1,4 +1,4 @@
-"""python -m exporter: the vramledger sidecar."""
-from exporter.cli import run
+"""python -m vramledger.exporter: the vramledger sidecar."""
+from vramledger.exporter.cli import run
 
 run()

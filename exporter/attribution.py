@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from exporter.engines.base import EngineState
-from exporter.sources import DeviceMemory
+from vramledger.exporter.engines.base import EngineState
+from vramledger.exporter.sources import DeviceMemory
 from vramledger.processes import ProcessMemory
 
 ENGINE, FOREIGN = "engine", "foreign"  # vramledger_device_process_memory_bytes{owner}

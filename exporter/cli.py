@@ -1,4 +1,4 @@
-"""Command line of the sidecar: python -m exporter --worker URL ... --vllm URL[=PID] ..., one flag per
+"""Command line of the sidecar: python -m vramledger.exporter --worker URL ... --vllm URL[=PID] ..., one flag per
 registered engine kind (exporter/engines/registry.py)."""
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import threading
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from exporter.collector import ExporterCollector
-from exporter.discovery import DiscoveredEngines
-from exporter.engines import Engines, EngineSet, parse_engine_arg
-from exporter.engines.kinds import POD_LABEL, EngineKind
-from exporter.engines.registry import kinds
-from exporter.errors import ErrorLog
-from exporter.kubernetes import PodDirectory
-from exporter.sources import SourceUnavailable, open_source
+from vramledger.exporter.collector import ExporterCollector
+from vramledger.exporter.discovery import DiscoveredEngines
+from vramledger.exporter.engines import Engines, EngineSet, parse_engine_arg
+from vramledger.exporter.engines.kinds import POD_LABEL, EngineKind
+from vramledger.exporter.engines.registry import kinds
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.kubernetes import PodDirectory
+from vramledger.exporter.sources import SourceUnavailable, open_source
 from vramledger.units import parse_size
 
-log = logging.getLogger("exporter")
+log = logging.getLogger("vramledger.exporter")
 STARTUP_WAIT = 2.0  # seconds the first read may delay the start, whatever --engine-timeout
 
 
@@ -71,7 +71,7 @@ def given_engines(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m exporter", description=(
+    p = argparse.ArgumentParser(prog="python -m vramledger.exporter", description=(
         "vramledger sidecar: joins device memory with what each engine declares."))
     _add_engine_flags(p)
     p.add_argument("--kubernetes", action="store_true",
@@ -176,7 +176,7 @@ def refuse_wrong_kinds(engines: Engines) -> None:
 
 
 def run() -> None:
-    """`python -m exporter` and the vramledger-exporter script: main(), then exit at once rather than
+    """`python -m vramledger.exporter` and the vramledger-exporter script: main(), then exit at once rather than
     after joining the engine readers' threads (one stuck on an engine that never answers would hold a
     stopping exporter for its whole --engine-timeout)."""
     code = main()

@@ -9,14 +9,14 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter.attribution import Attribution, attribute
-from exporter.engines import EngineSet, EngineState, Reading, Status
-from exporter.engines.ranks import RankLedger
-from exporter.engines.vramledger import SOURCE as WORKER_SOURCE
-from exporter.errors import ErrorLog
-from exporter.kubernetes import NO_POD, PodDirectory
-from exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
-from exporter.sources import DeviceMemory, Source
+from vramledger.exporter.attribution import Attribution, attribute
+from vramledger.exporter.engines import EngineSet, EngineState, Reading, Status
+from vramledger.exporter.engines.ranks import RankLedger
+from vramledger.exporter.engines.vramledger import SOURCE as WORKER_SOURCE
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.kubernetes import NO_POD, PodDirectory
+from vramledger.exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
+from vramledger.exporter.sources import DeviceMemory, Source
 
 DEVICE = ("device", "uuid")
 ENGINE = ("engine",)  # the engine's URL, as given or found

@@ -10,15 +10,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from exporter.cgroups import pids_in_pod
-from exporter.engines import Engine, Engines, Reading
-from exporter.engines.fetch import HttpClient
-from exporter.engines.registry import kind_named, kinds
-from exporter.errors import ErrorLog
-from exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
-from exporter.kubernetes import Engine as FoundEngine
-from exporter.kubernetes import PodDirectory
-from exporter.processes import TREE_MAX_AGE, NotFound
+from vramledger.exporter.cgroups import pids_in_pod
+from vramledger.exporter.engines import Engine, Engines, Reading
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.registry import kind_named, kinds
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.kubernetes import SOURCE as KUBERNETES_SOURCE
+from vramledger.exporter.kubernetes import Engine as FoundEngine
+from vramledger.exporter.kubernetes import PodDirectory
+from vramledger.exporter.processes import TREE_MAX_AGE, NotFound
 
 
 class PodLocator:

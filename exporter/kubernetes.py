@@ -15,10 +15,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from exporter.cgroups import CgroupIdentity, read_cgroup, strip_runtime
-from exporter.engines.kinds import POD_LABEL
-from exporter.engines.registry import kind_named
-from exporter.errors import ErrorLog
+from vramledger.exporter.cgroups import CgroupIdentity, read_cgroup, strip_runtime
+from vramledger.exporter.engines.kinds import POD_LABEL
+from vramledger.exporter.engines.registry import kind_named
+from vramledger.exporter.errors import ErrorLog
 
 log = logging.getLogger(__name__)
 SOURCE = "kubernetes"

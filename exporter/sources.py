@@ -9,9 +9,9 @@ from typing import Protocol
 
 import psutil
 
-from exporter.errors import ErrorLog
-from exporter.procfs import ProportionalSizes, pids, read_rss, read_start
 from vramledger import nvml_devices
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.procfs import ProportionalSizes, pids, read_rss, read_start
 from vramledger.processes import ProcessMemory
 from vramledger.units import MiB
 

@@ -27,7 +27,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a plain script: the repository's packages, installed or not
-from worker.selfcheck.processes import free_port, wait_http  # noqa: E402
+from vramledger.worker.selfcheck.processes import free_port, wait_http  # noqa: E402
 
 STOP_TIMEOUT = 45.0  # seconds: above the worker's default --drain-timeout (30 s)
 # Signals whose default action ends a process; SIGKILL and SIGSTOP cannot be caught (the children's
@@ -95,9 +95,9 @@ class LocalStack:
     def start(self, timeout: float = 300) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         py = sys.executable
-        self._serve("worker", [py, "-m", "worker", "serve", "--port", str(self.ports["worker"]), *self.worker_args],
+        self._serve("worker", [py, "-m", "vramledger.worker", "serve", "--port", str(self.ports["worker"]), *self.worker_args],
                     "/health", timeout)
-        self._serve("exporter", [py, "-m", "exporter", "--backend", "auto", "--port", str(self.ports["exporter"]),
+        self._serve("exporter", [py, "-m", "vramledger.exporter", "--backend", "auto", "--port", str(self.ports["exporter"]),
                                  "--worker", self.url("worker"), *self.exporter_args], "/metrics", 60)
         config = self._write_prometheus_config()
         self._serve("prometheus", [shutil.which("prometheus") or "prometheus", f"--config.file={config}",
@@ -190,7 +190,7 @@ def main() -> int:
     ap.add_argument("--vllm", action="append", default=[], metavar="URL",
                     help="a running vLLM server to watch: the exporter reads its memory, Prometheus scrapes its "
                          "own /metrics (repeatable)")
-    ap.add_argument("worker_args", nargs="*", help="extra flags for `python -m worker serve` (after --)")
+    ap.add_argument("worker_args", nargs="*", help="extra flags for `python -m vramledger.worker serve` (after --)")
     args = ap.parse_args()
     ports = {"worker": args.worker_port, "exporter": args.exporter_port, "prometheus": args.prometheus_port}
     stop_signals = StopSignals()

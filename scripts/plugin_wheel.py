@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "vramledger-vllm-plugin"
 PACKAGE = "vramledger"
+LINKED_SIDES = ("worker", "exporter")
 SCHEMA_FILE = "ledger.schema.json"  # the ledger document's JSON Schema, shipped beside its definition
 
 
@@ -59,7 +60,9 @@ def build(out: Path) -> Path:
     with tempfile.TemporaryDirectory() as staging:
         stage = Path(staging)
         (stage / "pyproject.toml").write_text(plugin_pyproject())
-        shutil.copytree(ROOT / PACKAGE, stage / PACKAGE, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        # Without the worker and the exporter that the package links in (pyproject.toml installs those).
+        shutil.copytree(ROOT / PACKAGE, stage / PACKAGE,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", *LINKED_SIDES))
         # Offline where this Python can build it; else pip fetches setuptools into an isolated build.
         isolation = ["--no-build-isolation"] if _can_build_wheels() else []
         done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation,

@@ -150,7 +150,7 @@ def kind_routes() -> list[tuple[object, dict]]:
     """What a serving engine of each kind that cannot run here answers, with the EngineKind that watches it."""
     import engine_shapes as shapes  # here: the server process itself needs none of it
 
-    from exporter.engines import llamacpp, ollama, sglang, tgi, triton
+    from vramledger.exporter.engines import llamacpp, ollama, sglang, tgi, triton
     used, free = TRITON_BLOCKS
     return [(sglang.KIND, {"/get_server_info": shapes.sglang_server_info(shapes.sglang_memory()),
                            "/metrics": shapes.sglang_metrics(SGLANG_TOKEN_USAGE)}),

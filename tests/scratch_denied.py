@@ -14,7 +14,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from worker.kernels import decoder_layers, draw_tokens, paged_attention, prefill_attention, verify_tokens
+from vramledger.worker.kernels import (
+    decoder_layers,
+    draw_tokens,
+    paged_attention,
+    prefill_attention,
+    verify_tokens,
+)
 
 
 def held() -> int:
@@ -63,8 +69,8 @@ def sampling_case(vocab: int, verify: bool) -> tuple[Callable, Callable]:
 def decoder_case(checkpoint: str, context: int, threads: int) -> tuple[Callable, Callable]:
     """A random model's forward of one decode token; the long context's block table names block 0 over and
     over, so the cache stays one block while the attention's scratch follows the context."""
-    from worker.models.attention import build_paged_batch
-    from worker.models.loader import load_model
+    from vramledger.worker.models.attention import build_paged_batch
+    from vramledger.worker.models.loader import load_model
     model = load_model(checkpoint, torch.float32, torch.device("cpu"))
     fused, cache = model.fused_forward, torch.zeros(model.kv_cache_shape(16))
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import httpx
 
-from worker.memory.device import get_device
-from worker.selfcheck.context import Context
-from worker.selfcheck.processes import Processes
-from worker.selfcheck.scale import make_scale
-from worker.selfcheck.view import DeviceView
-from worker.selfcheck.workers import Launcher, WorkerProcess
+from vramledger.worker.memory.device import get_device
+from vramledger.worker.selfcheck.context import Context
+from vramledger.worker.selfcheck.processes import Processes
+from vramledger.worker.selfcheck.scale import make_scale
+from vramledger.worker.selfcheck.view import DeviceView
+from vramledger.worker.selfcheck.workers import Launcher, WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 

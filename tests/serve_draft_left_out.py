@@ -1,4 +1,4 @@
-"""`python -m worker serve` wrapped for the tests with seed 000's bug: the memory plan leaves the draft
+"""`python -m vramledger.worker serve` wrapped for the tests with seed 000's bug: the memory plan leaves the draft
 out. Its weights are not subtracted from the budget and the KV blocks are sized for the target's
 layers alone, while the engine still loads the draft and allocates its layers in every block.
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from worker import cli
-from worker.engine import llm_engine
-from worker.engine.memory_setup import plan_memory
+from vramledger.worker import cli
+from vramledger.worker.engine import llm_engine
+from vramledger.worker.engine.memory_setup import plan_memory
 
 
 def plan_memory_without_the_draft(runner, config, device, ledger, tokenizer=None, server_state=None) -> int:

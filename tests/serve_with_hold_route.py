@@ -1,4 +1,4 @@
-"""`python -m worker serve` wrapped for the tests: one more route, POST /test/hold?mib=N, holds memory
+"""`python -m vramledger.worker serve` wrapped for the tests: one more route, POST /test/hold?mib=N, holds memory
 that the ledger does not declare (the exporter must then report it as unaccounted).
 
     python tests/serve_with_hold_route.py [serve flags...]
@@ -9,8 +9,8 @@ import sys
 
 from fastapi import FastAPI
 
-from worker import cli
-from worker.http import server
+from vramledger.worker import cli
+from vramledger.worker.http import server
 
 
 def with_hold_route(app: FastAPI) -> FastAPI:

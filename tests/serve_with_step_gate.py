@@ -1,4 +1,4 @@
-"""`python -m worker serve` wrapped for the tests: engine steps run only as the test allows.
+"""`python -m vramledger.worker serve` wrapped for the tests: engine steps run only as the test allows.
 
 POST /test/steps?n=N lets N more steps run (n=-1: all from now on), so a test can hold requests
 in flight for as long as it needs, without depending on how fast the machine generates.
@@ -13,9 +13,9 @@ import threading
 
 from fastapi import FastAPI
 
-from worker import cli
-from worker.http import server
-from worker.http.engine_loop import EngineLoop
+from vramledger.worker import cli
+from vramledger.worker.http import server
+from vramledger.worker.http.engine_loop import EngineLoop
 
 permits = threading.Semaphore(0)
 opened = threading.Event()

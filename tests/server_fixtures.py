@@ -1,4 +1,4 @@
-"""Real `python -m worker serve` processes on loopback ports, shared by the server test modules."""
+"""Real `python -m vramledger.worker serve` processes on loopback ports, shared by the server test modules."""
 from __future__ import annotations
 
 import atexit
@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.selfcheck.processes import free_port, wait_http
+from vramledger.worker.selfcheck.processes import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key-0123456789"
@@ -44,7 +44,7 @@ class Server:
         self.port = free_port()
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "worker", "serve", "--port", str(self.port), *self.args],
+                [sys.executable, "-m", "vramledger.worker", "serve", "--port", str(self.port), *self.args],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:

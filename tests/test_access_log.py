@@ -8,7 +8,7 @@ import httpx
 import pytest
 from server_fixtures import Server
 
-from worker.http.access_log import ProbeFilter
+from vramledger.worker.http.access_log import ProbeFilter
 
 pytestmark = pytest.mark.slow  # it starts workers (`make test-fast` leaves it out)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.kernels import blocked_linear, native
-from worker.models import packed_linear
+from vramledger.worker.kernels import blocked_linear, native
+from vramledger.worker.models import packed_linear
 
 needs_kernel = pytest.mark.skipif(not blocked_linear.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from exporter.cgroups import CgroupIdentity, parse_cgroup, pids_in_pod, read_cgroup, strip_runtime
+from vramledger.exporter.cgroups import CgroupIdentity, parse_cgroup, pids_in_pod, read_cgroup, strip_runtime
 
 UID = "7c1f5c5a-3b9e-4f8e-9d6c-2a1b0c9d8e7f"
 SYSTEMD_UID = UID.replace("-", "_")  # the systemd driver cannot have "-" inside a slice name

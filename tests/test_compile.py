@@ -7,11 +7,11 @@ time). bench/compile_forward.py checks inductor's logits against eager (largest 
 import pytest
 import torch
 
-from worker.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
-from worker.models.compiled import compile_model
-from worker.models.loader import load_model
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.models.compiled import compile_model
+from vramledger.worker.models.loader import load_model
 
 pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
 

@@ -84,33 +84,36 @@ def test_images_build_from_the_repo_dockerfile():
             if not source.startswith("--"):
                 assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
     assert re.search(r"^RUN\s+pip install '?\.", dockerfile, re.MULTILINE), "the image must pip install the project"
-    # Every package of the distribution is copied in before the install, or the image lacks it.
-    packages = [p.rstrip("*") for p in tomllib.loads((ROOT / "pyproject.toml").read_text())
-                ["tool"]["setuptools"]["packages"]["find"]["include"]]
+    # Every folder the distribution installs from is copied in before the install, or the image lacks it:
+    # its packages, and the folders they link (vramledger/worker -> worker/).
+    packages = {p.split(".")[0] for p in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                ["tool"]["setuptools"]["packages"]["find"]["include"]}
+    linked = {link.resolve().name for p in packages for link in (ROOT / p).iterdir() if link.is_symlink()}
+    assert linked == {"worker", "exporter"}
     copied = {shlex.split(line)[0] for line in re.findall(r"^COPY\s+(.+)$", dockerfile, re.MULTILINE)}
-    assert set(packages) <= copied, f"Dockerfile does not copy {set(packages) - copied}"
+    assert packages | linked <= copied, f"Dockerfile does not copy {(packages | linked) - copied}"
 
 
 def test_the_image_ships_its_cpu_kernels_prebuilt():
-    from worker.kernels import native
+    from vramledger.worker.kernels import native
 
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(rf"^ENV\b.*\b{native.PREBUILT_ENV}=(\S+)", dockerfile, re.MULTILINE | re.DOTALL)
-    assert f'python -m worker.kernels.native "${native.PREBUILT_ENV}"' in dockerfile
+    assert f'python -m vramledger.worker.kernels.native "${native.PREBUILT_ENV}"' in dockerfile
 
 
 def _worker_args():
-    from worker.cli import build_parser
+    from vramledger.worker.cli import build_parser
 
-    args = _module_args(_command("worker"), "worker")
-    assert args[0] == "serve", "the worker service runs `python -m worker serve`"
+    args = _module_args(_command("worker"), "vramledger.worker")
+    assert args[0] == "serve", "the worker service runs `python -m vramledger.worker serve`"
     return _parse(build_parser, args)
 
 
 def _exporter_args():
-    from exporter.cli import build_parser
+    from vramledger.exporter.cli import build_parser
 
-    return _parse(build_parser, _module_args(_command("exporter"), "exporter"))
+    return _parse(build_parser, _module_args(_command("exporter"), "vramledger.exporter"))
 
 
 def test_worker_command_parses_with_the_worker_cli():
@@ -130,11 +133,11 @@ def test_exporter_command_parses_with_the_exporter_cli():
 
 
 def test_dockerfile_default_command_parses():
-    from worker.cli import build_parser
+    from vramledger.worker.cli import build_parser
 
     cmd = re.search(r"^CMD\s+(\[.*\])\s*$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     assert cmd, "Dockerfile needs an exec-form CMD"
-    _parse(build_parser, _module_args(yaml.safe_load(cmd.group(1)), "worker"))
+    _parse(build_parser, _module_args(yaml.safe_load(cmd.group(1)), "vramledger.worker"))
 
 
 def test_prometheus_scrapes_the_compose_services():

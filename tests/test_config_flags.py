@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from vramledger.units import GiB
-from worker.cli import build_parser, engine_config, thread_settings
-from worker.config import (
+from vramledger.worker.cli import build_parser, engine_config, thread_settings
+from vramledger.worker.config import (
     CPU_BATCHED_TOKENS,
     CUDA_BATCHED_TOKENS,
     CUDA_DEFAULT_UTILIZATION,
@@ -101,7 +101,7 @@ def test_the_default_utilization_is_resolved_once_in_the_config():
 def test_the_engine_resolves_its_own_copy_and_hands_it_to_the_server_state(checkpoints):
     """The server keeps the config it built; the engine and the requests-in-flight measurement (the
     ledger's `server` entry) use the engine's, its lengths resolved from the model."""
-    from worker.engine.llm_engine import LLMEngine
+    from vramledger.worker.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=checkpoints["llama"], draft_model=None, max_num_seqs=2, device="cpu")
     seen = []

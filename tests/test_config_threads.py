@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from worker.cli import (
+from vramledger.worker.cli import (
     SPIN_BEFORE_SLEEP,
     build_parser,
     default_cpu_threads,
@@ -14,7 +14,7 @@ from worker.cli import (
     engine_config,
     main,
 )
-from worker.config import EngineConfig
+from vramledger.worker.config import EngineConfig
 
 
 def test_cpu_threads_flag_reaches_the_config(monkeypatch):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.kernels import decoder_layers
-from worker.models import decoder_forward
-from worker.models.attention import build_paged_batch
-from worker.models.decoder_forward import DecoderForward
-from worker.models.loader import load_model
-from worker.models.packed_linear import plain
+from vramledger.worker.kernels import decoder_layers
+from vramledger.worker.models import decoder_forward
+from vramledger.worker.models.attention import build_paged_batch
+from vramledger.worker.models.decoder_forward import DecoderForward
+from vramledger.worker.models.loader import load_model
+from vramledger.worker.models.packed_linear import plain
 
 needs_kernel = pytest.mark.skipif(not decoder_layers.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 CPU = torch.device("cpu")

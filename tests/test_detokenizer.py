@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from worker.config import DEFAULT_MODEL
-from worker.engine.detokenizer import IncrementalText, text_decoder
+from vramledger.worker.config import DEFAULT_MODEL
+from vramledger.worker.engine.detokenizer import IncrementalText, text_decoder
 
 CORPUS = ["déjà vu: naïve café ☕ — 東京 and 😀 emoji", "def f(x):\n    return x ** 2  # square",
           "Hello, world! It's a test. Don't stop."] * 20

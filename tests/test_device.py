@@ -13,7 +13,7 @@ import torch
 
 from vramledger.identity import host_pid, in_host_pid_namespace
 from vramledger.processes import ProcessMemory
-from worker.memory.device import CpuDevice, CudaDevice, get_device
+from vramledger.worker.memory.device import CpuDevice, CudaDevice, get_device
 
 MiB, GiB = 1 << 20, 1 << 30
 NEIGHBOUR_PID = 999_999

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from worker.engine import sampler
-from worker.engine.sampler import RowParams, draw, inverse_cdf, probabilities, propose
-from worker.engine.sampling_params import SamplingParams
-from worker.kernels import draw_tokens
-from worker.kernels.draw_tokens import draw_tokens as run_kernel
+from vramledger.worker.engine import sampler
+from vramledger.worker.engine.sampler import RowParams, draw, inverse_cdf, probabilities, propose
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.kernels import draw_tokens
+from vramledger.worker.kernels.draw_tokens import draw_tokens as run_kernel
 
 needs_kernel = pytest.mark.skipif(not draw_tokens.available(),
                                   reason="draw_tokens.c needs AVX-512 or AVX2 and a C compiler")

@@ -4,11 +4,11 @@ import itertools
 import pytest
 import torch
 
-from worker.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.speculation import Speculation
-from worker.models.loader import ModelLoadError
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.speculation import Speculation
+from vramledger.worker.models.loader import ModelLoadError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -260,7 +260,7 @@ def test_shipped_pair_speculative_equals_plain_at_batch_1_and_8():
 def test_generate_cli_runs_the_shipped_pair_with_no_flags():
     import subprocess
     import sys
-    result = subprocess.run([sys.executable, "-m", "worker", "generate", "--max-tokens", "16"],
+    result = subprocess.run([sys.executable, "-m", "vramledger.worker", "generate", "--max-tokens", "16"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("import os\nimport sys\n\n\ndef main(argv):\n")  # the default prompt

@@ -5,13 +5,13 @@ import time
 
 import pytest
 
-from worker.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
-from worker.http.engine_loop import EngineFailed, EngineLoop
-from worker.kernels import decoder_layers
-from worker.models import decoder_forward
-from worker.models.decoder_forward import DecoderForward
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.http.engine_loop import EngineFailed, EngineLoop
+from vramledger.worker.kernels import decoder_layers
+from vramledger.worker.models import decoder_forward
+from vramledger.worker.models.decoder_forward import DecoderForward
 
 TOKENS = 6
 

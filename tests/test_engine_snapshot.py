@@ -7,14 +7,14 @@ from fastapi.testclient import TestClient
 from server_fixtures import metric_value
 from test_server_app import small_config, wait_healthy
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.outputs import EngineStats
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
-from worker.engine.snapshot import EngineSnapshot
-from worker.http.server import create_app
+from vramledger.worker.engine.block_manager import BlockManager
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.outputs import EngineStats
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.scheduler import Scheduler
+from vramledger.worker.engine.sequence import Sequence
+from vramledger.worker.engine.snapshot import EngineSnapshot
+from vramledger.worker.http.server import create_app
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 

@@ -8,8 +8,8 @@ import yaml
 from dashboard_queries import ROOT
 from local_stack_path import with_vllm_job
 
-from exporter.cli import build_parser
-from exporter.processes import url_address
+from vramledger.exporter.cli import build_parser
+from vramledger.exporter.processes import url_address
 
 
 def uncommented() -> dict:

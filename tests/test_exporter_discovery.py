@@ -9,11 +9,11 @@ from kubernetes import client
 from test_exporter_host import spawn  # noqa: F401
 from test_exporter_real_worker import worker  # noqa: F401
 
-from exporter.discovery import DiscoveredEngines, PodLocator
-from exporter.engines import Engines, VllmEngine
-from exporter.errors import ErrorLog
-from exporter.kubernetes import PodDirectory
-from exporter.processes import TREE_MAX_AGE, NotFound
+from vramledger.exporter.discovery import DiscoveredEngines, PodLocator
+from vramledger.exporter.engines import Engines, VllmEngine
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.kubernetes import PodDirectory
+from vramledger.exporter.processes import TREE_MAX_AGE, NotFound
 
 NODE = "gpu-node-1"
 UID = "7c1f5c5a-3b9e-4f8e-9d6c-2a1b0c9d8e7f"

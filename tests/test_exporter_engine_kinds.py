@@ -11,17 +11,24 @@ from kube_api import Clock, pod
 from test_exporter_discovery import NODE, UID, discovered
 from test_exporter_hostile_engines import LEDGER, engine_server  # noqa: F401
 
-from exporter.cli import build_parser, given_engines, refuse_wrong_kinds
-from exporter.discovery import PodLocator
-from exporter.engines import Engines, VllmEngine, VramledgerEngine, parse_engine_arg, vllm, vramledger
-from exporter.engines.base import EngineInfo, EngineState, Wrong
-from exporter.engines.docs_table import DOCS, table, with_table
-from exporter.engines.fetch import HttpClient, fetch
-from exporter.engines.kinds import EngineKind
-from exporter.engines.registry import kind_named, kinds, register, unregister
-from exporter.engines.wrong_kind import other_kind
-from exporter.errors import ErrorLog
-from exporter.processes import Locator
+from vramledger.exporter.cli import build_parser, given_engines, refuse_wrong_kinds
+from vramledger.exporter.discovery import PodLocator
+from vramledger.exporter.engines import (
+    Engines,
+    VllmEngine,
+    VramledgerEngine,
+    parse_engine_arg,
+    vllm,
+    vramledger,
+)
+from vramledger.exporter.engines.base import EngineInfo, EngineState, Wrong
+from vramledger.exporter.engines.docs_table import DOCS, table, with_table
+from vramledger.exporter.engines.fetch import HttpClient, fetch
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.registry import kind_named, kinds, register, unregister
+from vramledger.exporter.engines.wrong_kind import other_kind
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import Locator
 
 TOY_METRICS = b"# TYPE toy_engine_ready gauge\ntoy_engine_ready 1\n"
 
@@ -163,6 +170,6 @@ def test_the_docs_table_is_generated_from_the_kinds(toy):
     assert "| a toy server | `--toy URL` | `vramledger.io/engine: toy` (9100) | nothing: a toy | nothing |" in generated
     assert "| a vLLM server | `--vllm URL[=PID]` | `vramledger.io/engine: vllm` (8000) |" in generated
     # docs/exporter.md holds the table of the kinds this package declares: python -m
-    # exporter.engines.docs_table writes it.
+    # vramledger.exporter.engines.docs_table writes it.
     unregister("toy")
-    assert with_table(docs, table()) == docs, "stale: run python -m exporter.engines.docs_table"
+    assert with_table(docs, table()) == docs, "stale: run python -m vramledger.exporter.engines.docs_table"

@@ -8,7 +8,7 @@ from fake_pynvml import FakeGpu, GiB, proc
 from test_exporter_host import spawn  # noqa: F401
 from test_exporter_nvml import exporter, scrape
 
-from exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.fetch import HttpClient
 
 DECLARING = {"sglang", "ollama"}  # the kinds that give bytes
 

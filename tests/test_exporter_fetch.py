@@ -9,9 +9,9 @@ from typing import ClassVar
 
 import pytest
 
-from exporter.engines.base import Loading, Unreachable, Wrong
-from exporter.engines.fetch import HttpClient, WrongStatus, fetch
-from worker.selfcheck.processes import free_port
+from vramledger.exporter.engines.base import Loading, Unreachable, Wrong
+from vramledger.exporter.engines.fetch import HttpClient, WrongStatus, fetch
+from vramledger.worker.selfcheck.processes import free_port
 
 
 class Counted(BaseHTTPRequestHandler):

@@ -15,10 +15,10 @@ import pytest
 from kube_api import Clock
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.errors import ErrorLog
-from exporter.procfs import ProportionalSizes, read_pss, read_rss, read_start
-from exporter.sources import HostSource
-from worker.selfcheck.processes import wait_until
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.procfs import ProportionalSizes, read_pss, read_rss, read_start
+from vramledger.exporter.sources import HostSource
+from vramledger.worker.selfcheck.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -65,7 +65,7 @@ def start_worker(spawn, *prefix: str, model_mib: int = 64, container_id: str | N
 
 def start_exporter(spawn, log: Path, *args: str):
     with log.open("w") as stderr:
-        proc = spawn([PY, "-m", "exporter", "--port", "0", *args], stderr=stderr)
+        proc = spawn([PY, "-m", "vramledger.exporter", "--port", "0", *args], stderr=stderr)
     found = wait_until(lambda: re.search(r"listening on http://[\d.]+:(\d+)/metrics", log.read_text()), 20,
                        "the exporter to listen", proc, log, interval=0.05)
     return proc, int(found.group(1))
@@ -188,7 +188,7 @@ def nvml_works() -> bool:
 
 @pytest.mark.skipif(nvml_works(), reason="this machine has a working NVML")
 def test_backend_nvml_without_nvml_exits_with_a_message():
-    done = subprocess.run([PY, "-m", "exporter", "--backend", "nvml", "--port", "0"], cwd=ROOT,
+    done = subprocess.run([PY, "-m", "vramledger.exporter", "--backend", "nvml", "--port", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "NVML unavailable" in done.stderr and "--backend auto" in done.stderr

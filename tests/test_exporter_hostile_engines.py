@@ -23,11 +23,11 @@ from test_exporter_nvml import WORKER, exporter, ledger_doc, split_samples
 from test_exporter_vllm import MODEL, gpu_text
 from test_exporter_vllm_ledger import NEIGHBOUR, load
 
-from exporter.engines import Engines, VllmEngine, VramledgerEngine
-from exporter.engines.base import Unreachable, Wrong
-from exporter.engines.fetch import MAX_BODY, HttpClient, fetch
-from exporter.errors import ErrorLog
-from exporter.processes import PortLocator
+from vramledger.exporter.engines import Engines, VllmEngine, VramledgerEngine
+from vramledger.exporter.engines.base import Unreachable, Wrong
+from vramledger.exporter.engines.fetch import MAX_BODY, HttpClient, fetch
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import PortLocator
 
 MiB = 1 << 20
 DRIP_S = 0.05  # a byte every DRIP_S: each receive is quick, the whole answer is not
@@ -412,7 +412,7 @@ def test_a_url_left_out_as_an_alias_is_watched_again_once_the_alias_ends(spawn, 
                        VramledgerEngine(worker_url, client, errors, locator=PortLocator(ELSEWHERE))],
                       errors, client, timeout=5)
     try:
-        with caplog.at_level(logging.INFO, logger="exporter.engines"):
+        with caplog.at_level(logging.INFO, logger="vramledger.exporter.engines"):
             assert list(engines.read()) == [first]
             assert list(engines.read()) == [first]
             bodies["/v1/memory"] = claiming(os.getpid())  # the first one fixed: it claims its own process

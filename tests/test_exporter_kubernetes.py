@@ -7,9 +7,9 @@ import yaml
 from kube_api import Clock, KubeAPI, pod
 from kubernetes import client
 
-from exporter.cgroups import CgroupIdentity, parse_cgroup
-from exporter.errors import ErrorLog
-from exporter.kubernetes import NO_POD, SOURCE, PodDirectory, PodLabels
+from vramledger.exporter.cgroups import CgroupIdentity, parse_cgroup
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.kubernetes import NO_POD, SOURCE, PodDirectory, PodLabels
 
 NODE = "gpu-node-1"
 CID = {name: (f"{i:x}" * 64)[:64] for i, name in enumerate(("worker", "sidecar", "vllm", "trainer", "new"), 1)}

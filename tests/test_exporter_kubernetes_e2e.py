@@ -1,4 +1,4 @@
-"""`python -m exporter --kubernetes` as a process: it finds a real worker through a local server
+"""`python -m vramledger.exporter --kubernetes` as a process: it finds a real worker through a local server
 answering the Kubernetes API's pod list, reads its ledger, and labels process series by pod."""
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_exporter_without_a_node_name_refuses_to_start(spawn, tmp_path, monkeypa
     try:
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig(tmp_path / "kubeconfig", api.url)))
         monkeypatch.delenv("NODE_NAME", raising=False)
-        proc = spawn([PY, "-m", "exporter", "--port", "0", "--backend", "host", "--kubernetes"],
+        proc = spawn([PY, "-m", "vramledger.exporter", "--port", "0", "--backend", "host", "--kubernetes"],
                      stderr=(tmp_path / "err.log").open("w"))
         assert proc.wait(timeout=60) == 1
         assert "NODE_NAME" in (tmp_path / "err.log").read_text()

@@ -10,11 +10,11 @@ from fake_pynvml import FakeGpu, GiB, proc
 from test_exporter_host import spawn  # noqa: F401
 from test_exporter_nvml import exporter, scrape
 
-from exporter.engines import read_one
-from exporter.engines.base import Status
-from exporter.engines.fetch import HttpClient
-from exporter.engines.llamacpp import KIND
-from exporter.errors import ErrorLog
+from vramledger.exporter.engines import read_one
+from vramledger.exporter.engines.base import Status
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.llamacpp import KIND
+from vramledger.exporter.errors import ErrorLog
 
 
 def llamacpp(spawn, tmp_path, metrics=None, health=LLAMACPP_OK, **props) -> FakeEngine:  # noqa: F811

@@ -21,14 +21,14 @@ from fake_pynvml import (
     proc,
 )
 
-from exporter.collector import ExporterCollector
-from exporter.engines import Engines, Status, VramledgerEngine
-from exporter.engines.base import Unreachable
-from exporter.engines.fetch import HttpClient
-from exporter.engines.vramledger import parse_ledger
-from exporter.errors import ErrorLog
-from exporter.processes import HostPidResolver
-from exporter.sources import HostSource, NvmlSource, SourceUnavailable, open_source
+from vramledger.exporter.collector import ExporterCollector
+from vramledger.exporter.engines import Engines, Status, VramledgerEngine
+from vramledger.exporter.engines.base import Unreachable
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.vramledger import parse_ledger
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import HostPidResolver
+from vramledger.exporter.sources import HostSource, NvmlSource, SourceUnavailable, open_source
 
 WORKER = "http://worker-0:8000"
 NO_ERRORS = {"nvml": 0, "worker": 0, "exporter": 0}

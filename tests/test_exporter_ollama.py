@@ -11,12 +11,12 @@ from fake_pynvml import FakeGpu, GiB, proc
 from test_exporter_host import spawn  # noqa: F401
 from test_exporter_nvml import exporter, scrape
 
-from exporter.engines import read_one
-from exporter.engines.base import EngineInfo, EngineState, ModelMemory, Status
-from exporter.engines.fetch import HttpClient
-from exporter.engines.ollama import KIND, parse_ps
-from exporter.errors import ErrorLog
-from exporter.sources import HOST, DeviceMemory
+from vramledger.exporter.engines import read_one
+from vramledger.exporter.engines.base import EngineInfo, EngineState, ModelMemory, Status
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.ollama import KIND, parse_ps
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.sources import HOST, DeviceMemory
 
 GPU = DeviceMemory("0", "GPU-0", "gpu", 24 * GiB, 0, 24 * GiB, None, ())
 HOST_MEMORY = DeviceMemory(HOST, "", "host", 64 * GiB, 0, 64 * GiB, None, ())
@@ -138,7 +138,7 @@ def test_no_version_loses_only_the_label(spawn, tmp_path):  # noqa: F811
 
 
 def test_a_hidden_process_is_counted_and_its_hint_names_this_kinds_flag(spawn, tmp_path, caplog):  # noqa: F811
-    from exporter.processes import PortLocator
+    from vramledger.exporter.processes import PortLocator
     fake = ollama(spawn, tmp_path, FITS, children=0)
     errors = ErrorLog()
     # Where a container's server would be: reachable, its socket not visible (TEST-NET-1 is no address here).
@@ -146,5 +146,5 @@ def test_a_hidden_process_is_counted_and_its_hint_names_this_kinds_flag(spawn, t
     with caplog.at_level("WARNING"):
         state = read_one(engine).state
     assert state.pids == frozenset() and errors.counts() == {"ollama": 1}
-    [warning] = [r.getMessage() for r in caplog.records if r.name == "exporter.errors"]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "vramledger.exporter.errors"]
     assert "--ollama URL=PID" in warning and "--vllm" not in warning

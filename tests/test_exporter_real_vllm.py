@@ -14,7 +14,7 @@ import psutil
 import pytest
 from test_exporter_host import HOLD, PY, MiB, find, one, read_line, scrape, spawn, start_exporter  # noqa: F401
 
-from worker.selfcheck.processes import free_port, wait_http
+from vramledger.worker.selfcheck.processes import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -1,4 +1,4 @@
-"""The exporter in host mode beside our real worker (`python -m worker serve` plus a test route)."""
+"""The exporter in host mode beside our real worker (`python -m vramledger.worker serve` plus a test route)."""
 from __future__ import annotations
 
 import subprocess
@@ -9,8 +9,8 @@ import pytest
 from test_exporter_host import HOLD, PY, MiB, find, one, read_line, scrape, spawn, start_exporter  # noqa: F401
 from test_exporter_lifecycle import watch_states
 
-from exporter.procfs import read_pss
-from worker.selfcheck.processes import free_port, wait_http
+from vramledger.exporter.procfs import read_pss
+from vramledger.worker.selfcheck.processes import free_port, wait_http
 
 HERE = Path(__file__).parent
 
@@ -86,7 +86,7 @@ def test_a_real_worker_starting_under_the_exporter_is_loading_then_serving(spawn
                                       "0.5")
     seen: list[str] = []
     watch_states(exporter_port, url, "unreachable", seen)
-    proc = spawn([PY, "-m", "worker", "serve", "--model", checkpoints["llama"], "--no-draft",
+    proc = spawn([PY, "-m", "vramledger.worker", "serve", "--model", checkpoints["llama"], "--no-draft",
                   "--max-model-len", "128", "--port", str(port)],
                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     watch_states(exporter_port, url, "serving", seen, timeout=180)

@@ -12,12 +12,12 @@ from fake_pynvml import FakeGpu, GiB, proc
 from test_exporter_host import spawn  # noqa: F401
 from test_exporter_nvml import exporter, scrape
 
-from exporter.engines import read_one
-from exporter.engines.base import EngineInfo, EngineState, Status
-from exporter.engines.fetch import HttpClient
-from exporter.engines.sglang import GIB, KIND, parse_server_info
-from exporter.errors import ErrorLog
-from exporter.sources import HOST, DeviceMemory
+from vramledger.exporter.engines import read_one
+from vramledger.exporter.engines.base import EngineInfo, EngineState, Status
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.sglang import GIB, KIND, parse_server_info
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.sources import HOST, DeviceMemory
 
 GPU = DeviceMemory("0", "GPU-0", "gpu", 80 * GiB, 0, 80 * GiB, None, ())
 HOST_MEMORY = DeviceMemory(HOST, "", "host", 64 * GiB, 0, 64 * GiB, None, ())

@@ -10,13 +10,13 @@ from test_exporter_host import PY, ROOT, find, one, scrape, spawn, start_exporte
 from test_exporter_lifecycle import ledger_worker, state_of
 from test_exporter_vllm import RECORDED, start_tree
 
-from exporter.engines import Engines, VramledgerEngine
-from exporter.engines.fetch import HttpClient
-from exporter.errors import ErrorLog
+from vramledger.exporter.engines import Engines, VramledgerEngine
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.errors import ErrorLog
 
 
 def run_exporter(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "exporter", "--backend", "host", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([PY, "-m", "vramledger.exporter", "--backend", "host", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, check=False)
 
 

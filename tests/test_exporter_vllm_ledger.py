@@ -23,15 +23,15 @@ from test_exporter_nvml import NO_ERRORS, device, exporter, m, process, state
 from test_exporter_nvml import scrape as scrape_registry
 from test_exporter_vllm import HERE, MODEL, SPEC_RECORDED, gpu_text, start_tree
 
-from exporter.engines import VllmEngine
-from exporter.engines.base import EngineInfo, EngineState
-from exporter.engines.fetch import HttpClient
-from exporter.engines.ranks import Entry, ServerProcess
-from exporter.engines.vllm_ledger import NO_LEDGER, LedgerReader, parse, parse_ranks
-from exporter.engines.vramledger import LedgerError
-from exporter.errors import ErrorLog
-from exporter.processes import PortLocator
-from exporter.sources import HOST, DeviceMemory
+from vramledger.exporter.engines import VllmEngine
+from vramledger.exporter.engines.base import EngineInfo, EngineState
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.ranks import Entry, ServerProcess
+from vramledger.exporter.engines.vllm_ledger import NO_LEDGER, LedgerReader, parse, parse_ranks
+from vramledger.exporter.engines.vramledger import LedgerError
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import PortLocator
+from vramledger.exporter.sources import HOST, DeviceMemory
 
 CPU_LEDGER = HERE / "data" / "vllm_ledger.json"
 NEIGHBOUR = HERE / "data" / "vllm_ledger_cuda_neighbour.json"

@@ -1,5 +1,5 @@
 """One exporter (a real process, host reader) watching one engine of every kind at once: our real worker
-(`python -m worker serve` on a small random model), vLLM's real CPU build with the vramledger plugin, and
+(`python -m vramledger.worker serve` on a small random model), vLLM's real CPU build with the vramledger plugin, and
 the kinds that need a GPU as fake servers in their engines' shapes (tests/fake_engines.py, each shape's
 source in tests/engine_shapes.py). Each engine is given its own processes and no other's, declares what
 its kind declares, publishes its KV usage, and the exposition is docs/metrics.md's.
@@ -22,8 +22,8 @@ from test_exporter_real_worker import worker  # noqa: F401
 from test_metrics_catalogue import conforms
 from test_vllm_plugin_real import plugin_site, vllm_peer, with_plugin  # noqa: F401
 
-from exporter.engines import llamacpp, ollama, sglang, tgi, triton, vllm, vramledger
-from exporter.engines.registry import kinds
+from vramledger.exporter.engines import llamacpp, ollama, sglang, tgi, triton, vllm, vramledger
+from vramledger.exporter.engines.registry import kinds
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(vllm_peer.vllm_python() is None,

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporter.cli import build_parser
-from exporter.collector import ExporterCollector
-from exporter.engines import Engines
-from exporter.engines.vramledger import LedgerError, WorkerLedger, parse_ledger
-from exporter.errors import ErrorLog
-from exporter.processes import HostPidResolver, in_container, parse_nspid
-from exporter.sources import HostSource
-from worker.selfcheck.processes import free_port
+from vramledger.exporter.cli import build_parser
+from vramledger.exporter.collector import ExporterCollector
+from vramledger.exporter.engines import Engines
+from vramledger.exporter.engines.vramledger import LedgerError, WorkerLedger, parse_ledger
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import HostPidResolver, in_container, parse_nspid
+from vramledger.exporter.sources import HostSource
+from vramledger.worker.selfcheck.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TIB = 1 << 40
@@ -108,7 +108,7 @@ def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
     expected = {urls[0]: "serving", urls[1]: "wrong", urls[2]: "wrong", urls[3]: "wrong", urls[4]: "unreachable",
                 urls[5]: "unreachable"}
     try:
-        with caplog.at_level(logging.INFO, logger="exporter.engines"):
+        with caplog.at_level(logging.INFO, logger="vramledger.exporter.engines"):
             for _ in range(3):
                 start = time.perf_counter()
                 values = {(s.name, tuple(s.labels.values())): s.value
@@ -128,7 +128,7 @@ def test_down_and_garbage_workers_are_counted_not_fatal(routes, caplog):
         assert values[("vramledger_exporter_errors_total", ("worker",))] == 3 * 3
         # ...and each engine's state logged once, on one line, whatever the number of scrapes.
         lines = {r.getMessage().split(": ")[0]: (r.levelname, r.getMessage()) for r in caplog.records
-                 if r.name == "exporter.engines"}
+                 if r.name == "vramledger.exporter.engines"}
         assert len(lines) == len(caplog.records) == len(urls)
         assert {name.split()[1]: (level, message.split(": ")[1].split(" ")[0])
                 for name, (level, message) in lines.items()} == {

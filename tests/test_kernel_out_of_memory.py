@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.kernels import native
+from vramledger.worker.kernels import native
 
 pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
 

@@ -15,12 +15,12 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
-from exporter.cli import build_parser as exporter_parser
-from exporter.engines.kinds import POD_LABEL as ENGINE_LABEL
-from exporter.engines.registry import kinds
-from exporter.kubernetes import PORT_ANNOTATION
-from worker.cli import build_parser as worker_parser
-from worker.http.settings import SHUTDOWN_MARGIN
+from vramledger.exporter.cli import build_parser as exporter_parser
+from vramledger.exporter.engines.kinds import POD_LABEL as ENGINE_LABEL
+from vramledger.exporter.engines.registry import kinds
+from vramledger.exporter.kubernetes import PORT_ANNOTATION
+from vramledger.worker.cli import build_parser as worker_parser
+from vramledger.worker.http.settings import SHUTDOWN_MARGIN
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -327,8 +327,8 @@ def test_worker_deployment(base):
     deployment = one(base, "Deployment", "vramledger-worker")
     pod = deployment["spec"]["template"]["spec"]
     worker = container(pod, "worker")
-    args = worker_parser().parse_args(worker["args"][3:])  # after "python -m worker": real flags only
-    assert worker["args"][:3] == ["python", "-m", "worker"] and args.command == "serve"
+    args = worker_parser().parse_args(worker["args"][3:])  # after "python -m vramledger.worker": real flags only
+    assert worker["args"][:3] == ["python", "-m", "vramledger.worker"] and args.command == "serve"
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert pod["terminationGracePeriodSeconds"] >= args.drain_timeout + SHUTDOWN_MARGIN
     port = worker["ports"][0]
@@ -368,7 +368,7 @@ def test_exporter_daemonset(base):
     pod = one(base, "DaemonSet", "vramledger-exporter")["spec"]["template"]["spec"]
     exporter = container(pod, "exporter")
     args = exporter_parser().parse_args(exporter["args"][3:])  # fails on a flag the exporter lacks
-    assert exporter["args"][:3] == ["python", "-m", "exporter"] and args.backend == "nvml"
+    assert exporter["args"][:3] == ["python", "-m", "vramledger.exporter"] and args.backend == "nvml"
     assert args.kubernetes and args.worker == [] and args.vllm == []  # engines are found through the API
     assert pod["hostPID"] is True and pod["runtimeClassName"] == "nvidia"
     env = {e["name"]: e for e in exporter["env"]}

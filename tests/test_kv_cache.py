@@ -1,10 +1,10 @@
 """Block manager and scheduler bookkeeping, without torch."""
 import sys
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence, Status
+from vramledger.worker.engine.block_manager import BlockManager
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.scheduler import Scheduler
+from vramledger.worker.engine.sequence import Sequence, Status
 
 
 def seq(name, n):
@@ -64,7 +64,7 @@ def test_admission_respects_limits():
 
 
 def test_bookkeeping_imports_no_torch():
-    for name in ("worker.engine.block_manager", "worker.engine.scheduler", "worker.engine.sequence"):
+    for name in ("vramledger.worker.engine.block_manager", "vramledger.worker.engine.scheduler", "vramledger.worker.engine.sequence"):
         module = sys.modules[name]
         assert "torch" not in vars(module), name
     import subprocess

@@ -7,33 +7,49 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Higher layers may import lower ones, never the reverse. config is plain settings: anyone may read it.
-LAYERS = {"worker.cli": 3, "worker.__main__": 4, "worker.http": 2, "worker.engine": 1,
-          "worker.memory": 0, "worker.models": 0, "worker.kernels": -1,
+W = "vramledger.worker"
+LAYERS = {f"{W}.cli": 3, f"{W}.__main__": 4, f"{W}.http": 2, f"{W}.engine": 1, f"{W}.memory": 0, f"{W}.models": 0,
+          f"{W}.kernels": -1,
           # a top-level command beside serve: it starts worker and exporter processes, imports only
           # memory, and is imported by cli (a command's package sits just below the cli that names it)
-          "worker.selfcheck": 2.5}
-SHARED = {"worker.config"}
+          f"{W}.selfcheck": 2.5}
+SHARED = {f"{W}.config"}
+# worker/ and exporter/ are installed as vramledger.worker and vramledger.exporter (vramledger/ links them).
+SIDES = ("worker", "exporter")
 
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return "vramledger." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every absolute import of a file, at the top or inside a function."""
+    tree = ast.parse(path.read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def shared_modules() -> list[Path]:
+    """vramledger/'s own files, not the sides it links."""
+    return [p for p in (ROOT / "vramledger").rglob("*.py") if p.relative_to(ROOT / "vramledger").parts[0] not in SIDES]
+
+
+def is_side(name: str) -> bool:
+    return name.split(".")[:2] in (["vramledger", side] for side in SIDES)
 
 
 def imports(path: Path) -> set[str]:
-    """Every project module a file imports, at the top or inside a function."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.split(".")[0] in ("worker", "exporter")}
+    """Every worker or exporter module a file imports, at the top or inside a function."""
+    return {name for name in imported_names(path) if is_side(name)}
 
 
 def project_modules() -> dict[str, set[str]]:
-    paths = [p for pkg in ("worker", "exporter") for p in (ROOT / pkg).rglob("*.py")]
+    paths = [p for pkg in SIDES for p in (ROOT / pkg).rglob("*.py")]
     modules = {module_name(p): imports(p) for p in paths}
     # "from worker.http import server" names a module, "from worker.config import X" a symbol: keep modules.
     return {name: {i for i in deps if i in modules} for name, deps in modules.items()}
@@ -46,10 +62,10 @@ def layer(module: str) -> str | None:
 def test_worker_imports_flow_one_way():
     wrong = []
     for module, deps in project_modules().items():
-        if not module.startswith("worker.") or module in SHARED:
+        if not module.startswith(f"{W}.") or module in SHARED:
             continue
         for dep in deps:
-            if dep in SHARED or dep == "worker":
+            if dep in SHARED or dep == W:
                 continue
             mine, theirs = layer(module), layer(dep)
             if mine is None or theirs is None:
@@ -61,17 +77,17 @@ def test_worker_imports_flow_one_way():
 
 def test_config_and_memory_import_nothing_above_them():
     modules = project_modules()
-    assert {d for d in modules["worker.config"] if d.startswith("worker.")} == set()
+    assert {d for d in modules[f"{W}.config"] if d.startswith(f"{W}.")} == set()
     for module, deps in modules.items():
-        if layer(module) == "worker.memory":
-            assert all(layer(d) == "worker.memory" for d in deps), (module, deps)
+        if layer(module) == "vramledger.worker.memory":
+            assert all(layer(d) == "vramledger.worker.memory" for d in deps), (module, deps)
 
 
 def test_kernels_import_nothing_of_the_worker_but_themselves():
-    kernels = {name: deps for name, deps in project_modules().items() if layer(name) == "worker.kernels"}
-    assert "worker.kernels.native" in kernels
+    kernels = {name: deps for name, deps in project_modules().items() if layer(name) == "vramledger.worker.kernels"}
+    assert "vramledger.worker.kernels.native" in kernels
     for module, deps in kernels.items():
-        assert all(layer(d) == "worker.kernels" for d in deps), (module, deps)
+        assert all(layer(d) == "vramledger.worker.kernels" for d in deps), (module, deps)
 
 
 def test_no_import_cycles():
@@ -103,19 +119,28 @@ def test_nothing_test_only_in_the_product():
 def test_the_shared_package_imports_neither_side():
     """vramledger/ is what the worker, the exporter and vLLM's processes share: it must load in any of
     them, so it imports neither side, and its shared modules (not its plug-ins) not even torch."""
-    for path in (ROOT / "vramledger").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        names |= {node.module for node in ast.walk(tree)
-                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
-        forbidden = {"worker", "exporter"} | ({"torch"} if path.parent == ROOT / "vramledger" else set())
-        assert not {n.split(".")[0] for n in names} & forbidden, path
+    shared = shared_modules()
+    assert ROOT / "vramledger" / "vllm_plugin" / "__init__.py" in shared
+    for path in shared:
+        names = imported_names(path)
+        torch_free = path.parent == ROOT / "vramledger"
+        assert not [n for n in names if is_side(n) or (torch_free and n.split(".")[0] == "torch")], path
+
+
+def test_the_installed_names_are_the_projects_own():
+    """worker/ and exporter/ install as vramledger.worker and vramledger.exporter (vramledger/ links
+    them): nothing imports them by the generic top-level names, which an install does not provide."""
+    for side in SIDES:
+        assert (ROOT / "vramledger" / side).resolve() == ROOT / side
+    paths = [p for folder in (*SIDES, "tests", "bench", "scripts") for p in (ROOT / folder).rglob("*.py")]
+    wrong = [f"{path.relative_to(ROOT)} imports {name}" for path in paths + shared_modules()
+             for name in imported_names(path) if name.split(".")[0] in SIDES]
+    assert wrong == []
 
 
 # The engine's parts that its thread changes mid-step; the server reads the engine's snapshot instead.
 ENGINE_PARTS = {"scheduler", "runner", "blocks", "stats", "speculation", "ledger"}
-ENGINE_PART_MODULES = {"worker.engine.scheduler", "worker.engine.block_manager", "worker.engine.model_runner",
-                       "worker.engine.speculation"}
+ENGINE_PART_MODULES = {f"{W}.engine.{name}" for name in ("scheduler", "block_manager", "model_runner", "speculation")}
 
 
 def test_the_server_never_reads_the_engines_parts():

@@ -10,15 +10,15 @@ import pytest
 import torch
 from random_models import make_checkpoint
 
-from worker.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
-from worker.http.prompt_bounds import PromptBound, body_limit
-from worker.http.settings import ServerSettings
-from worker.kernels import blocked_linear, paged_attention
-from worker.memory.profiler import module_tensor_bytes
-from worker.models.loader import load_tokenizer
-from worker.models.packed_linear import ROW_BUCKETS
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.http.prompt_bounds import PromptBound, body_limit
+from vramledger.worker.http.settings import ServerSettings
+from vramledger.worker.kernels import blocked_linear, paged_attention
+from vramledger.worker.memory.profiler import module_tensor_bytes
+from vramledger.worker.models.loader import load_tokenizer
+from vramledger.worker.models.packed_linear import ROW_BUCKETS
 
 pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
 
@@ -74,7 +74,7 @@ def test_draft_weights_are_their_own_entry_and_leave_the_kv_budget(wide_pair):
 
 
 def profile(*flags, checkpoints):
-    cmd = [sys.executable, "-m", "worker", "profile", "--model", checkpoints["llama"],
+    cmd = [sys.executable, "-m", "vramledger.worker", "profile", "--model", checkpoints["llama"],
            "--draft-model", checkpoints["llama-draft"], "--max-model-len", "256", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
@@ -137,8 +137,8 @@ def test_new_entries_are_measured_and_everything_sums_to_the_budget(checkpoints)
 def test_budget_that_only_the_new_entries_push_over_fails_naming_the_setting(checkpoints):
     from dataclasses import replace
 
-    from worker.engine.memory_setup import plan_memory
-    from worker.memory.plan import MemoryPlanError
+    from vramledger.worker.engine.memory_setup import plan_memory
+    from vramledger.worker.memory.plan import MemoryPlanError
 
     config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"],
                           max_model_len=256, max_num_seqs=2048, kv_cache_memory=8 << 20)

@@ -5,10 +5,10 @@ import pytest
 import torch
 from random_models import make_checkpoint
 
-from worker.memory.device import CpuDevice
-from worker.memory.profiler import module_tensor_bytes
-from worker.models.loader import ModelLoadError, load_config, load_model
-from worker.models.packed_linear import is_packed, plain
+from vramledger.worker.memory.device import CpuDevice
+from vramledger.worker.memory.profiler import module_tensor_bytes
+from vramledger.worker.models.loader import ModelLoadError, load_config, load_model
+from vramledger.worker.models.packed_linear import is_packed, plain
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
@@ -75,7 +75,7 @@ def test_other_dtype_goes_through_one_temporary_and_converts(qwen2_shaped):
 
 def test_fusing_a_loaded_model_frees_the_originals():
     # fuse_linears on real tensors (not the loader's path): the originals do not stay.
-    from worker.models.llama import fuse_linears
+    from vramledger.worker.models.llama import fuse_linears
 
     module = torch.nn.Module()
     module.a, module.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 2)
@@ -112,9 +112,9 @@ def test_a_draft_tokenizer_is_compared_by_its_files_then_by_loading_it(checkpoin
     import json
     import shutil
 
-    from worker.config import EngineConfig
-    from worker.engine.llm_engine import check_same_tokenizer
-    from worker.models.loader import load_tokenizer, same_tokenizer_files
+    from vramledger.worker.config import EngineConfig
+    from vramledger.worker.engine.llm_engine import check_same_tokenizer
+    from vramledger.worker.models.loader import load_tokenizer, same_tokenizer_files
 
     target, draft = checkpoints["llama"], checkpoints["llama-draft"]
     assert same_tokenizer_files(target, draft)

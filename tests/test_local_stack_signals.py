@@ -11,7 +11,7 @@ import psutil
 import pytest
 from test_exporter_host import ROOT
 
-from worker.selfcheck.processes import free_port, wait_http, wait_until
+from vramledger.worker.selfcheck.processes import free_port, wait_http, wait_until
 
 pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from local_stack_path import LocalStack
 
-from exporter.cli import build_parser
+from vramledger.exporter.cli import build_parser
 
 
 def test_a_watched_vllm_is_scraped_and_read(tmp_path):

@@ -5,9 +5,9 @@ import mem_hog
 import pytest
 from test_device import FakeCuda, props, two_gpus
 
-from worker.config import EngineConfig
-from worker.memory.device import CpuDevice, CudaDevice
-from worker.memory.plan import (
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.memory.device import CpuDevice, CudaDevice
+from vramledger.worker.memory.plan import (
     CPU_DEFAULT_KV_BYTES,
     MemoryPlanError,
     blocks_per_sequence,

@@ -20,11 +20,11 @@ from test_exporter_kubernetes import clock, directory  # noqa: F401
 from test_exporter_vllm import gpu_text, start_tree
 from test_exporter_vllm_ledger import CPU_LEDGER, NEIGHBOUR
 
-from exporter.collector import ExporterCollector
-from exporter.engines import Engines, VllmEngine
-from exporter.engines.fetch import HttpClient
-from exporter.errors import ErrorLog
-from exporter.sources import NvmlSource
+from vramledger.exporter.collector import ExporterCollector
+from vramledger.exporter.engines import Engines, VllmEngine
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.sources import NvmlSource
 
 GiB = 1 << 30
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 import transformers
 
-from worker.models.attention import GatherWorkspace, build_paged_batch
-from worker.models.loader import load_model
+from vramledger.worker.models.attention import GatherWorkspace, build_paged_batch
+from vramledger.worker.models.loader import load_model
 
 CPU = torch.device("cpu")
 FAMILIES = ["llama", "qwen2", "mistral"]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from worker.kernels import native
+from vramledger.worker.kernels import native
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from vramledger.ledger_vocabulary import GROWTH_BEFORE_PROFILE, MEASURED_FROM_PROFILE, WORKER_COMPONENTS
-from worker.engine import memory_setup
-from worker.engine.memory_setup import unexplained_growth
-from worker.memory.device import CpuDevice
-from worker.memory.ledger import Ledger
-from worker.memory.profiler import MemorySnapshot
+from vramledger.worker.engine import memory_setup
+from vramledger.worker.engine.memory_setup import unexplained_growth
+from vramledger.worker.memory.device import CpuDevice
+from vramledger.worker.memory.ledger import Ledger
+from vramledger.worker.memory.profiler import MemorySnapshot
 
 MiB = 1 << 20
 

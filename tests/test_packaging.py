@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.errors import ErrorLog
-from exporter.kubernetes import PodDirectory
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.kubernetes import PodDirectory
 
 BIN = Path(sys.executable).parent
 

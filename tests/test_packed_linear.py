@@ -7,12 +7,20 @@ import torch
 import torch.nn.functional as F
 from random_models import make_checkpoint
 
-from worker.kernels import blocked_linear
-from worker.memory.device import CpuDevice
-from worker.memory.profiler import module_tensor_bytes
-from worker.models import packed_linear
-from worker.models.loader import load_model
-from worker.models.packed_linear import ROW_BUCKETS, is_packed, linear, pack_onednn, packable, plain, warm
+from vramledger.worker.kernels import blocked_linear
+from vramledger.worker.memory.device import CpuDevice
+from vramledger.worker.memory.profiler import module_tensor_bytes
+from vramledger.worker.models import packed_linear
+from vramledger.worker.models.loader import load_model
+from vramledger.worker.models.packed_linear import (
+    ROW_BUCKETS,
+    is_packed,
+    linear,
+    pack_onednn,
+    packable,
+    plain,
+    warm,
+)
 
 CPU = torch.device("cpu")
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

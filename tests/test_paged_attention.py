@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.kernels import native, paged_attention
-from worker.models.attention import build_paged_batch
-from worker.models.llama import read_context
+from vramledger.worker.kernels import native, paged_attention
+from vramledger.worker.models.attention import build_paged_batch
+from vramledger.worker.models.llama import read_context
 
 needs_kernel = pytest.mark.skipif(not paged_attention.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
+from vramledger.worker.models.attention import BlockTables, GatherWorkspace, build_paged_batch
 
 CPU = torch.device("cpu")
 

@@ -57,7 +57,7 @@ IMPORT_ALONE = """
 import importlib, importlib.metadata as md, json, pkgutil, sys
 target = sys.argv[1]
 sys.path.insert(0, target)
-sys.modules["worker"] = sys.modules["exporter"] = None  # imported anywhere: ImportError
+sys.modules["vramledger.worker"] = sys.modules["vramledger.exporter"] = None  # imported anywhere: ImportError
 import vramledger
 modules = [m.name for m in pkgutil.walk_packages(vramledger.__path__, "vramledger.")]
 for name in modules:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_paged_attention import torch_path
 
-from worker.kernels import prefill_attention
-from worker.models.attention import build_paged_batch
+from vramledger.worker.kernels import prefill_attention
+from vramledger.worker.models.attention import build_paged_batch
 
 needs_kernel = pytest.mark.skipif(not prefill_attention.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 CPU = torch.device("cpu")

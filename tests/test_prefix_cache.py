@@ -1,8 +1,8 @@
 """The prefix cache's bookkeeping, without torch: chained block hashes, shared blocks, eviction."""
-from worker.engine.block_manager import BlockManager, chain_hashes
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
+from vramledger.worker.engine.block_manager import BlockManager, chain_hashes
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.scheduler import Scheduler
+from vramledger.worker.engine.sequence import Sequence
 
 BS = 4
 

@@ -3,9 +3,9 @@ import pytest
 import torch
 from test_engine import Scripted
 
-from worker.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from worker.config import EngineConfig
-from worker.engine.model_runner import ModelRunner
-from worker.engine.profile_run import prefill_shapes, profile_blocks, run_worst_case
-from worker.engine.speculation import CATCH_UP_AFTER
-from worker.models.loader import load_model
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.model_runner import ModelRunner
+from vramledger.worker.engine.profile_run import prefill_shapes, profile_blocks, run_worst_case
+from vramledger.worker.engine.speculation import CATCH_UP_AFTER
+from vramledger.worker.models.loader import load_model
 
 
 @pytest.mark.parametrize("speculation, behind", [("fixed", 2), ("adaptive", CATCH_UP_AFTER)])
@@ -52,8 +52,8 @@ def test_every_prefill_step_of_serving_fits_the_profiled_shapes(checkpoints):
     """Chunks and cache hits make prefill rows that start past position 0: the profile runs the
     widest such step (as many rows as may run, at the longest context), and serving's prefill
     steps never pass the token budget the profile's steps fill."""
-    from worker.engine.llm_engine import LLMEngine
-    from worker.engine.sampling_params import SamplingParams
+    from vramledger.worker.engine.llm_engine import LLMEngine
+    from vramledger.worker.engine.sampling_params import SamplingParams
 
     config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"],
                           max_model_len=96, max_num_seqs=6, max_num_batched_tokens=32)

@@ -16,9 +16,9 @@ from torch import nn
 
 from vramledger.identity import container_id_from
 from vramledger.processes import ProcessMemory
-from worker.memory.device import CpuDevice, CudaDevice
-from worker.memory.ledger import Ledger, format_table, plot, summary_line
-from worker.memory.profiler import (
+from vramledger.worker.memory.device import CpuDevice, CudaDevice
+from vramledger.worker.memory.ledger import Ledger, format_table, plot, summary_line
+from vramledger.worker.memory.profiler import (
     MemorySnapshot,
     PeakSampler,
     measure_weights,

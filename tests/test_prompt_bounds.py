@@ -11,16 +11,16 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from worker.http.errors import APIError
-from worker.http.prompt_bounds import PromptBound, body_limit, longest_text
-from worker.http.request_models import (
+from vramledger.worker.http.errors import APIError
+from vramledger.worker.http.prompt_bounds import PromptBound, body_limit, longest_text
+from vramledger.worker.http.request_models import (
     MAX_NAME_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from worker.models.loader import load_tokenizer
+from vramledger.worker.models.loader import load_tokenizer
 
 SHIPPED = "worker/assets/tiny-coder-target"
 CORPUS = ["def f(x):\n    return x + 1\n", "hello world, the quick brown fox", "          indented",

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from worker.http.errors import APIError
-from worker.http.prompt_bounds import ledger_texts, longest_text
-from worker.http.prompt_encoder import SHORT_CHARS, PromptEncoder
-from worker.memory.device import CpuDevice
-from worker.memory.profiler import measure_held
+from vramledger.worker.http.errors import APIError
+from vramledger.worker.http.prompt_bounds import ledger_texts, longest_text
+from vramledger.worker.http.prompt_encoder import SHORT_CHARS, PromptEncoder
+from vramledger.worker.memory.device import CpuDevice
+from vramledger.worker.memory.profiler import measure_held
 
 pytestmark = pytest.mark.slow  # it measures tokenizing in processes of their own (`make test-fast` leaves it out)
 

@@ -7,12 +7,12 @@ from collections import defaultdict
 import pytest
 import torch
 
-from worker.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
-from worker.kernels import decoder_layers
-from worker.models import decoder_forward
-from worker.models.decoder_forward import DecoderForward
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.kernels import decoder_layers
+from vramledger.worker.models import decoder_forward
+from vramledger.worker.models.decoder_forward import DecoderForward
 
 needs_kernel = pytest.mark.skipif(not decoder_layers.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

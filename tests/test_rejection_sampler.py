@@ -1,10 +1,10 @@
 """The rejection sampler emits the target's distribution, whatever the draft proposes."""
 import torch
 
-from worker.engine.penalties import History
-from worker.engine.sampler import RowParams, inverse_cdf, probabilities, row_draws, sample
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.spec_decode import verify
+from vramledger.worker.engine.penalties import History
+from vramledger.worker.engine.sampler import RowParams, inverse_cdf, probabilities, row_draws, sample
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.spec_decode import verify
 
 V, N = 8, 60_000
 # Each frequency has a standard error of at most sqrt(0.25 / N) = 0.002; 0.01 is five of them.

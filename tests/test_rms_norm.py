@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from worker.kernels import native, rms_norm
-from worker.models.llama import RMSNorm
+from vramledger.worker.kernels import native, rms_norm
+from vramledger.worker.models.llama import RMSNorm
 
 needs_kernel = pytest.mark.skipif(not rms_norm.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.models.rope import rotate_
+from vramledger.worker.models.rope import rotate_
 
 
 def test_rotating_in_place_matches_the_rotate_half_formula_and_writes_through_views():

@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from worker.kernels import native, rotate_store
-from worker.models.llama import real_tokens, write_kv
-from worker.models.rope import rotate_
+from vramledger.worker.kernels import native, rotate_store
+from vramledger.worker.models.llama import real_tokens, write_kv
+from vramledger.worker.models.rope import rotate_
 
 needs_kernel = pytest.mark.skipif(not rotate_store.available(), reason="no AVX-512 or AVX2, or no C compiler here")
 

@@ -1,8 +1,8 @@
 """What a step's prompt chunks cost and which prompts share a step (the scheduler alone, without torch)."""
-from worker.engine.block_manager import BlockManager
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
+from vramledger.worker.engine.block_manager import BlockManager
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.scheduler import Scheduler
+from vramledger.worker.engine.sequence import Sequence
 
 
 def scheduler(join_tokens=None, attention_span=16.0, budget=64):

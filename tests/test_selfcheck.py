@@ -1,4 +1,4 @@
-"""`python -m worker selfcheck` on the CPU: the whole run passes but for vLLM's scenario, which needs a
+"""`python -m vramledger.worker selfcheck` on the CPU: the whole run passes but for vLLM's scenario, which needs a
 GPU and says so; each seed scenario fails on the worker it exists to catch; whatever happens, every
 process it started is gone afterwards."""
 from __future__ import annotations
@@ -16,20 +16,20 @@ import torch
 from selfcheck_helpers import DraftLeftOutLauncher, HoldingLauncher, cpu_context
 from test_device import FakeNvml, fake_cuda, gpu  # noqa: F401 (fake_cuda: a fixture)
 
-from worker import cli
-from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
-from worker.memory.profiler import module_tensor_bytes
-from worker.models.loader import load_model
-from worker.selfcheck import run as selfcheck_run
-from worker.selfcheck import scenario_draft, scenario_ledger, scenario_neighbours
-from worker.selfcheck.checkpoints import (
+from vramledger.worker import cli
+from vramledger.worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from vramledger.worker.memory.profiler import module_tensor_bytes
+from vramledger.worker.models.loader import load_model
+from vramledger.worker.selfcheck import run as selfcheck_run
+from vramledger.worker.selfcheck import scenario_draft, scenario_ledger, scenario_neighbours
+from vramledger.worker.selfcheck.checkpoints import (
     LARGE_SHAPES,
     build_random_checkpoint,
     kv_bytes_per_block,
     weight_bytes,
 )
-from worker.selfcheck.processes import Processes, wait_until
-from worker.selfcheck.report import (
+from vramledger.worker.selfcheck.processes import Processes, wait_until
+from vramledger.worker.selfcheck.report import (
     FAIL,
     PASS,
     SKIP,
@@ -40,8 +40,8 @@ from worker.selfcheck.report import (
     format_table,
     to_json,
 )
-from worker.selfcheck.scale import PAIR_SHARES, make_scale
-from worker.selfcheck.view import DeviceView, SampledPeak
+from vramledger.worker.selfcheck.scale import PAIR_SHARES, make_scale
+from vramledger.worker.selfcheck.view import DeviceView, SampledPeak
 
 pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
 
@@ -62,7 +62,7 @@ def checks(result: ScenarioResult) -> dict[str, str]:
 
 # --- the real thing, on the CPU ----------------------------------------------------------------
 def test_selfcheck_passes_on_the_cpu_but_for_vllm_and_leaves_no_process(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "worker", "selfcheck", "--device", "cpu", "--json",
+    proc = subprocess.run([sys.executable, "-m", "vramledger.worker", "selfcheck", "--device", "cpu", "--json",
                            "--workdir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     doc = json.loads(proc.stdout)
@@ -116,7 +116,7 @@ def test_a_plan_that_leaves_the_draft_out_fails_scenario_2(tmp_path):
 
 
 def test_sigterm_mid_run_stops_every_process_it_started(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "worker", "selfcheck", "--device", "cpu",
+    proc = subprocess.Popen([sys.executable, "-m", "vramledger.worker", "selfcheck", "--device", "cpu",
                              "--workdir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     me = psutil.Process(proc.pid)
@@ -247,7 +247,7 @@ def test_cuda_scale_takes_shares_of_the_device_and_uncaps_the_kv_cache():
 
 
 def test_cuda_view_reads_nvml_per_process_and_samples_the_peak(fake_cuda):  # noqa: F811
-    from worker.memory.device import CudaDevice
+    from vramledger.worker.memory.device import CudaDevice
 
     other = 424_242
     nvml = FakeNvml([gpu("GPU-bbbb-2222", "00000000:3B:00.0", [(other, 5 * GiB)])])

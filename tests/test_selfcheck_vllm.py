@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from selfcheck_helpers import cpu_context
 
-from worker.selfcheck import scenario_vllm
-from worker.selfcheck.report import FAIL, PASS, CannotRun, ScenarioResult
+from vramledger.worker.selfcheck import scenario_vllm
+from vramledger.worker.selfcheck.report import FAIL, PASS, CannotRun, ScenarioResult
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -16,9 +16,9 @@ from selfcheck_helpers import cpu_context
 
 from vramledger.units import GiB
 from vramledger.vllm_plugin.sizing import OWN_PROCESS, UNSEEN, VLLM
-from worker.selfcheck import scenario_vllm_pair as pair
-from worker.selfcheck.report import FAIL, INFO, PASS, SKIP, CannotRun, Check, ScenarioResult
-from worker.selfcheck.scale import PAIR_SHARES
+from vramledger.worker.selfcheck import scenario_vllm_pair as pair
+from vramledger.worker.selfcheck.report import FAIL, INFO, PASS, SKIP, CannotRun, Check, ScenarioResult
+from vramledger.worker.selfcheck.scale import PAIR_SHARES
 
 RECORDED = json.loads((Path(__file__).resolve().parent / "data" / "vllm_ledger_cuda_neighbour_own_process.json")
                       .read_text())

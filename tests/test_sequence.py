@@ -1,6 +1,6 @@
 """A request's tokens as the engine reads them."""
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.sequence import Sequence
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.sequence import Sequence
 
 
 def test_tokens_from_equals_slicing_every_token_id():

@@ -8,10 +8,10 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from worker.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.http.server import ServerSettings, create_app
-from worker.models.loader import ModelLoadError
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.llm_engine import LLMEngine
+from vramledger.worker.http.server import ServerSettings, create_app
+from vramledger.worker.models.loader import ModelLoadError
 
 KEY = {"Authorization": "Bearer k"}
 
@@ -107,7 +107,7 @@ def test_a_server_stopped_while_loading_reports_no_failure(checkpoints, caplog, 
                      engine_factory=engine_still_loading)
     engine_loop = app.state.server.engine_loop
     engine_loop.on_fatal = fatal.append
-    with caplog.at_level(logging.INFO, logger="worker.http.engine_loop"):
+    with caplog.at_level(logging.INFO, logger="vramledger.worker.http.engine_loop"):
         with TestClient(app):
             pass
         release.set()

@@ -10,8 +10,13 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from worker.http.openai_protocol import chat_text
-from worker.http.request_models import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+from vramledger.worker.http.openai_protocol import chat_text
+from vramledger.worker.http.request_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    StreamOptions,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "llama-chat"

@@ -10,11 +10,11 @@ from collections import Counter
 import httpx
 from server_fixtures import metric_value
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
-from worker.selfcheck.processes import wait_until
+from vramledger.worker.engine.block_manager import BlockManager
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.scheduler import Scheduler
+from vramledger.worker.engine.sequence import Sequence
+from vramledger.worker.selfcheck.processes import wait_until
 
 PATIENCE = 60.0  # seconds to wait for what a few released steps do
 

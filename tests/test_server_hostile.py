@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from worker.http.prompt_bounds import PromptBound
-from worker.models.loader import load_tokenizer
+from vramledger.worker.http.prompt_bounds import PromptBound
+from vramledger.worker.models.loader import load_tokenizer
 
 MODEL = "llama-chat"
 JSON = {"Content-Type": "application/json"}

@@ -1,8 +1,8 @@
-"""`python -m worker serve`'s HTTP settings: its flags and the VRAMLEDGER_* variables, read in one place."""
+"""`python -m vramledger.worker serve`'s HTTP settings: its flags and the VRAMLEDGER_* variables, read in one place."""
 import pytest
 
-from worker.cli import build_parser
-from worker.http.settings import ServerSettings
+from vramledger.worker.cli import build_parser
+from vramledger.worker.http.settings import ServerSettings
 
 
 def settings(*flags: str, **environ: str) -> ServerSettings:

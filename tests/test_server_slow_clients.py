@@ -13,8 +13,8 @@ import httpx
 import pytest
 from server_fixtures import Server
 
-from worker.http.prompt_bounds import PromptBound, body_limit
-from worker.models.loader import load_tokenizer
+from vramledger.worker.http.prompt_bounds import PromptBound, body_limit
+from vramledger.worker.models.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from worker.engine.speculation import (
+from vramledger.worker.engine.speculation import (
     FIRST_SAMPLES,
     MAX_PROBE_EVERY,
     PROBE_EVERY,

@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from worker.engine.outputs import RequestOutput
-from worker.http.choices import Job, events
-from worker.http.renderer import ResponseRenderer
+from vramledger.worker.engine.outputs import RequestOutput
+from vramledger.worker.http.choices import Job, events
+from vramledger.worker.http.renderer import ResponseRenderer
 
 
 def output(text: str, n: int, finished: bool = False) -> RequestOutput:

@@ -20,7 +20,7 @@ import yaml
 from dashboard_queries import RULES_DIR, dashboard_queries, metric_names, variable_queries
 from local_stack_path import LocalStack
 
-from worker.selfcheck.processes import wait_until
+from vramledger.worker.selfcheck.processes import wait_until
 
 pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
 

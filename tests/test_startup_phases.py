@@ -9,12 +9,12 @@ import weakref
 
 import pytest
 
-from worker.engine.startup import StartupPhases, collector_paused, merged
+from vramledger.worker.engine.startup import StartupPhases, collector_paused, merged
 
 
 def test_a_failed_phase_is_logged_and_not_kept(caplog):
     phases = StartupPhases()
-    caplog.set_level(logging.INFO, logger="worker.engine.startup")
+    caplog.set_level(logging.INFO, logger="vramledger.worker.engine.startup")
     with pytest.raises(ValueError), phases.phase("weights_target"):
         raise ValueError("no such checkpoint")
     assert phases.seconds == {}

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from worker.kernels import (
+from vramledger.worker.kernels import (
     blocked_linear,
     decoder_layers,
     draw_tokens,
@@ -18,8 +18,8 @@ from worker.kernels import (
     rotate_store,
     verify_tokens,
 )
-from worker.models.attention import build_paged_batch
-from worker.models.loader import load_model
+from vramledger.worker.models.attention import build_paged_batch
+from vramledger.worker.models.loader import load_model
 
 IMPLEMENTATIONS = {"vec16_avx512.h", "vec16_avx2.h"}
 BINDINGS = (blocked_linear, decoder_layers, draw_tokens, paged_attention, prefill_attention, rms_norm,

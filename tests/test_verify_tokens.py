@@ -4,10 +4,10 @@ import pytest
 import torch
 from test_rejection_sampler import BOUND, N, V, distributions, frequencies
 
-from worker.engine.sampler import RowParams, inverse_cdf, sample
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.spec_decode import verify_logits
-from worker.kernels import verify_tokens
+from vramledger.worker.engine.sampler import RowParams, inverse_cdf, sample
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.spec_decode import verify_logits
+from vramledger.worker.kernels import verify_tokens
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not verify_tokens.available(),

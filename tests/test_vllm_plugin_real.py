@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
 from vllm_plugin_install import plugin_path
 
-from worker.selfcheck.processes import free_port, wait_http
+from vramledger.worker.selfcheck.processes import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

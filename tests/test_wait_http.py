@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.selfcheck.processes import (
+from vramledger.worker.selfcheck.processes import (
     Processes,
     ProcessExited,
     WaitTimedOut,
@@ -128,4 +128,4 @@ def test_scripts_local_stack_gets_them_without_torch():
     probe = ("import sys; sys.path.insert(0, 'scripts'); import local_stack; "
              "print(local_stack.wait_http.__module__, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.stdout.split() == ["worker.selfcheck.processes", "False"], done.stderr
+    assert done.stdout.split() == ["vramledger.worker.selfcheck.processes", "False"], done.stderr

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from server_fixtures import metric_value
 
-from worker.http.settings import SHUTDOWN_MARGIN
-from worker.selfcheck.processes import wait_until
+from vramledger.worker.http.settings import SHUTDOWN_MARGIN
+from vramledger.worker.selfcheck.processes import wait_until
 
 
 def events(lines):

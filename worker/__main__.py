@@ -1,5 +1,5 @@
 import sys
 
-from worker.cli import main
+from vramledger.worker.cli import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m worker serve | profile | generate | selfcheck`."""
+"""`python -m vramledger.worker serve | profile | generate | selfcheck`."""
 from __future__ import annotations
 
 import argparse
@@ -9,9 +9,9 @@ import sys
 import typing
 from typing import Any, TypedDict
 
-from worker.config import EngineConfig, Flag, usable_cores
-from worker.http.settings import SHUTDOWN_MARGIN
-from worker.selfcheck.options import add_flags as add_selfcheck_flags
+from vramledger.worker.config import EngineConfig, Flag, usable_cores
+from vramledger.worker.http.settings import SHUTDOWN_MARGIN
+from vramledger.worker.selfcheck.options import add_flags as add_selfcheck_flags
 
 # The README's first request: the shipped toy pair writes Python-shaped text from it.
 EXAMPLE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
@@ -113,7 +113,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m vramledger.worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -161,24 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from worker.http.server import run_server
+    from vramledger.worker.http.server import run_server
     return run_server(engine_config(args), args)
 
 
 def run_profile(args: argparse.Namespace) -> int:
     import json
 
-    from worker.engine.startup import StartupPhases
-    from worker.http.prompt_encoder import PromptEncoder
-    from worker.http.settings import ServerSettings
-    from worker.http.state import load_engine
+    from vramledger.worker.engine.startup import StartupPhases
+    from vramledger.worker.http.prompt_encoder import PromptEncoder
+    from vramledger.worker.http.settings import ServerSettings
+    from vramledger.worker.http.state import load_engine
 
     config = engine_config(args)  # the ledger `serve` would declare, its requests in flight included
     encoder = PromptEncoder()
     settings = ServerSettings(max_waiting=args.max_waiting, max_receiving_bodies=args.max_receiving_bodies)
     engine = load_engine(config, settings, encoder, None, StartupPhases())
     encoder.shutdown()
-    from worker.memory.ledger import format_table, plot  # after the timed imports: it loads torch
+    from vramledger.worker.memory.ledger import format_table, plot  # after the timed imports: it loads torch
 
     if args.json:
         print(json.dumps(engine.memory_report(), indent=2))
@@ -191,8 +191,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from worker.engine.llm_engine import LLMEngine
-    from worker.engine.sampling_params import SamplingParams
+    from vramledger.worker.engine.llm_engine import LLMEngine
+    from vramledger.worker.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -209,7 +209,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_selfcheck(args: argparse.Namespace) -> int:
-    from worker.selfcheck.run import main as selfcheck
+    from vramledger.worker.selfcheck.run import main as selfcheck
 
     return selfcheck(args)
 

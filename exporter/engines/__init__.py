@@ -7,16 +7,16 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
-from exporter.engines.bounds import OutOfBounds, check_state
-from exporter.engines.fetch import HttpClient
-from exporter.engines.kinds import EngineKind
-from exporter.engines.lifecycle import Lifecycle, Reading
-from exporter.engines.registry import kind_named
-from exporter.engines.vllm import VllmEngine
-from exporter.engines.vramledger import VramledgerEngine
-from exporter.errors import ErrorLog
-from exporter.processes import PortLocator
+from vramledger.exporter.engines.base import Engine, EngineInfo, EngineState, NotServing, Status, Wrong
+from vramledger.exporter.engines.bounds import OutOfBounds, check_state
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.lifecycle import Lifecycle, Reading
+from vramledger.exporter.engines.registry import kind_named
+from vramledger.exporter.engines.vllm import VllmEngine
+from vramledger.exporter.engines.vramledger import VramledgerEngine
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import PortLocator
 
 __all__ = ["Engine", "EngineInfo", "EngineState", "Engines", "Reading", "Status", "VllmEngine",
            "VramledgerEngine", "base_url", "parse_engine_arg"]

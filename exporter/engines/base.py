@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from exporter.engines.ranks import RankLedger, ServerProcess
-from exporter.sources import HOST, DeviceMemory
+from vramledger.exporter.engines.ranks import RankLedger, ServerProcess
+from vramledger.exporter.sources import HOST, DeviceMemory
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from exporter.engines.base import EngineState
-from exporter.engines.ranks import RankLedger
+from vramledger.exporter.engines.base import EngineState
+from vramledger.exporter.engines.ranks import RankLedger
 
 MAX_BYTES = 1 << 50  # 1 PiB: above the memory of any device or host an engine runs on
 PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT on 64-bit: the most /proc/sys/kernel/pid_max allows

@@ -1,15 +1,15 @@
 """docs/exporter.md's table of engine kinds, generated from the registry: `python -m
-exporter.engines.docs_table` rewrites it in place (tests/test_exporter_engine_kinds.py fails while the
+vramledger.exporter.engines.docs_table` rewrites it in place (tests/test_exporter_engine_kinds.py fails while the
 file differs)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from exporter.engines.kinds import POD_LABEL, EngineKind
-from exporter.engines.registry import kinds
+from vramledger.exporter.engines.kinds import POD_LABEL, EngineKind
+from vramledger.exporter.engines.registry import kinds
 
-BEGIN = "<!-- engine kinds: generated from exporter/engines by python -m exporter.engines.docs_table -->"
+BEGIN = "<!-- engine kinds: generated from exporter/engines by python -m vramledger.exporter.engines.docs_table -->"
 END = "<!-- end of engine kinds -->"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "exporter.md"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from urllib.parse import urlsplit
 
-from exporter.engines.base import Loading, Unreachable, Wrong
+from vramledger.exporter.engines.base import Loading, Unreachable, Wrong
 
 # A proxy between the exporter and the engine answers these when the engine behind it is gone.
 _GATEWAY = (502, 504)

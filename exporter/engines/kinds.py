@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from exporter.engines.base import Engine
-from exporter.engines.fetch import HttpClient
-from exporter.errors import ErrorLog
-from exporter.processes import Locator
+from vramledger.exporter.engines.base import Engine
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import Locator
 
 POD_LABEL = "vramledger.io/engine"  # a pod's engine kind, for --kubernetes: the kind's name
 

@@ -5,10 +5,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from exporter.engines.base import EngineState, Status
-from exporter.errors import one_line
+from vramledger.exporter.engines.base import EngineState, Status
+from vramledger.exporter.errors import one_line
 
-log = logging.getLogger("exporter.engines")
+log = logging.getLogger("vramledger.exporter.engines")
 _LEVEL = {Status.SERVING: logging.INFO, Status.LOADING: logging.INFO, Status.UNREACHABLE: logging.WARNING,
           Status.WRONG: logging.WARNING}
 

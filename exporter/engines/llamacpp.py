@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import posixpath
 
-from exporter.engines.base import EngineInfo, EngineState, Wrong
-from exporter.engines.kinds import EngineKind
-from exporter.engines.served import PortEngine, field
+from vramledger.exporter.engines.base import EngineInfo, EngineState, Wrong
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.served import PortEngine, field
 
 NAME = "llamacpp"
 KV_USAGE = "llamacpp:kv_cache_usage_ratio"

@@ -17,10 +17,10 @@ was last read is seen within processes.TREE_MAX_AGE).
 """
 from __future__ import annotations
 
-from exporter.engines.base import EngineInfo, EngineState, ModelMemory, Wrong
-from exporter.engines.bounds import OutOfBounds, shown
-from exporter.engines.kinds import EngineKind
-from exporter.engines.served import PortEngine, field
+from vramledger.exporter.engines.base import EngineInfo, EngineState, ModelMemory, Wrong
+from vramledger.exporter.engines.bounds import OutOfBounds, shown
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.served import PortEngine, field
 
 NAME = "ollama"
 

@@ -11,7 +11,7 @@ from functools import lru_cache
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from exporter.engines.bounds import OutOfBounds, shown
+from vramledger.exporter.engines.bounds import OutOfBounds, shown
 
 # The longest of those lines parsed (vLLM's config line is about 1 KB): the text parser reads a
 # character at a time, so a megabyte label would cost the exporter seconds of CPU each scrape.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exporter.sources import HOST, DeviceMemory
+from vramledger.exporter.sources import HOST, DeviceMemory
 
 WEIGHTS = ("weights", "kernels")  # what a model's weights hold: its parameters and their kernel-only copies
 

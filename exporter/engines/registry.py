@@ -7,7 +7,7 @@ import pkgutil
 from functools import cache
 from pathlib import Path
 
-from exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.kinds import EngineKind
 
 _registered: dict[str, EngineKind] = {}  # by name: kinds from outside this package (tests, plugins)
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from exporter.engines.base import EngineState, NotServing, Wrong
-from exporter.engines.bounds import OutOfBounds, shown
-from exporter.engines.fetch import HttpClient, Response, WrongStatus, fetch
-from exporter.engines.promtext import samples
-from exporter.errors import ErrorLog
-from exporter.processes import Locator, NotFound, PortLocator
+from vramledger.exporter.engines.base import EngineState, NotServing, Wrong
+from vramledger.exporter.engines.bounds import OutOfBounds, shown
+from vramledger.exporter.engines.fetch import HttpClient, Response, WrongStatus, fetch
+from vramledger.exporter.engines.promtext import samples
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import Locator, NotFound, PortLocator
 
 T = TypeVar("T")
 

@@ -34,11 +34,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from exporter.engines.base import EngineInfo, EngineState, Wrong
-from exporter.engines.bounds import MAX_BYTES, MAX_RANKS, OutOfBounds, shown
-from exporter.engines.kinds import EngineKind
-from exporter.engines.ranks import Entry, RankLedger
-from exporter.engines.served import PortEngine, field
+from vramledger.exporter.engines.base import EngineInfo, EngineState, Wrong
+from vramledger.exporter.engines.bounds import MAX_BYTES, MAX_RANKS, OutOfBounds, shown
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.ranks import Entry, RankLedger
+from vramledger.exporter.engines.served import PortEngine, field
 
 NAME = "sglang"
 GIB = 1 << 30  # SGLang's "GB"

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import psutil
 
-from exporter.engines.base import EngineInfo, EngineState, Wrong
-from exporter.engines.fetch import HttpClient
-from exporter.engines.kinds import EngineKind
-from exporter.engines.served import PortEngine, field
-from exporter.errors import ErrorLog
-from exporter.processes import Locator, PortLocator
+from vramledger.exporter.engines.base import EngineInfo, EngineState, Wrong
+from vramledger.exporter.engines.fetch import HttpClient
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.served import PortEngine, field
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import Locator, PortLocator
 
 NAME = "tgi"
 BATCH_TOKENS = "tgi_batch_current_max_tokens"

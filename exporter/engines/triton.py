@@ -17,10 +17,10 @@ TensorRT-LLM model is loaded; the nv_trt_llm_* series appear once it serves.
 """
 from __future__ import annotations
 
-from exporter.engines.base import EngineInfo, EngineState, Loading, Wrong
-from exporter.engines.bounds import OutOfBounds
-from exporter.engines.kinds import EngineKind
-from exporter.engines.served import PortEngine
+from vramledger.exporter.engines.base import EngineInfo, EngineState, Loading, Wrong
+from vramledger.exporter.engines.bounds import OutOfBounds
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.served import PortEngine
 
 NAME = "triton"
 BLOCKS, RUNTIME = "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_runtime_memory_metrics"

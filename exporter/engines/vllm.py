@@ -14,15 +14,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from exporter.engines.base import EngineInfo, EngineState, Loading, NotServing, Unreachable, Wrong
-from exporter.engines.bounds import OutOfBounds, shown
-from exporter.engines.fetch import HttpClient, fetch
-from exporter.engines.kinds import EngineKind
-from exporter.engines.promtext import line_samples, sample_lines
-from exporter.engines.vllm_ledger import LedgerReader
-from exporter.engines.wrong_kind import other_kind
-from exporter.errors import ErrorLog
-from exporter.processes import Locator, NotFound, PortLocator
+from vramledger.exporter.engines.base import EngineInfo, EngineState, Loading, NotServing, Unreachable, Wrong
+from vramledger.exporter.engines.bounds import OutOfBounds, shown
+from vramledger.exporter.engines.fetch import HttpClient, fetch
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.promtext import line_samples, sample_lines
+from vramledger.exporter.engines.vllm_ledger import LedgerReader
+from vramledger.exporter.engines.wrong_kind import other_kind
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import Locator, NotFound, PortLocator
 
 NAME = "vllm"
 SOURCE = "vllm"

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from exporter.engines.base import Loading, NotServing, Unreachable
-from exporter.engines.bounds import shown
-from exporter.engines.fetch import HttpClient, WrongStatus, fetch
-from exporter.engines.ranks import Entry, RankLedger, ServerProcess, Sizing
-from exporter.engines.vramledger import LedgerError, is_int, parse_ledger
-from exporter.errors import ErrorLog
+from vramledger.exporter.engines.base import Loading, NotServing, Unreachable
+from vramledger.exporter.engines.bounds import shown
+from vramledger.exporter.engines.fetch import HttpClient, WrongStatus, fetch
+from vramledger.exporter.engines.ranks import Entry, RankLedger, ServerProcess, Sizing
+from vramledger.exporter.engines.vramledger import LedgerError, is_int, parse_ledger
+from vramledger.exporter.errors import ErrorLog
 from vramledger.ledger_vocabulary import SERVER_ROLES
 
 log = logging.getLogger(__name__)

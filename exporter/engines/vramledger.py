@@ -9,13 +9,13 @@ from typing import TypeGuard
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
-from exporter.engines.bounds import MAX_BYTES, MAX_LABEL, is_pid, shown
-from exporter.engines.fetch import HttpClient, WrongStatus, fetch
-from exporter.engines.kinds import EngineKind
-from exporter.engines.wrong_kind import other_kind_at
-from exporter.errors import ErrorLog
-from exporter.processes import TREE_MAX_AGE, HostPidResolver, Locator, NotFound, PortLocator
+from vramledger.exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
+from vramledger.exporter.engines.bounds import MAX_BYTES, MAX_LABEL, is_pid, shown
+from vramledger.exporter.engines.fetch import HttpClient, WrongStatus, fetch
+from vramledger.exporter.engines.kinds import EngineKind
+from vramledger.exporter.engines.wrong_kind import other_kind_at
+from vramledger.exporter.errors import ErrorLog
+from vramledger.exporter.processes import TREE_MAX_AGE, HostPidResolver, Locator, NotFound, PortLocator
 
 log = logging.getLogger(__name__)
 

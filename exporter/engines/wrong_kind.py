@@ -2,10 +2,10 @@
 pod label) to watch it with."""
 from __future__ import annotations
 
-from exporter.engines.base import NotServing, Wrong
-from exporter.engines.fetch import HttpClient, fetch
-from exporter.engines.kinds import POD_LABEL, EngineKind
-from exporter.engines.registry import kinds
+from vramledger.exporter.engines.base import NotServing, Wrong
+from vramledger.exporter.engines.fetch import HttpClient, fetch
+from vramledger.exporter.engines.kinds import POD_LABEL, EngineKind
+from vramledger.exporter.engines.registry import kinds
 
 
 def other_kind(url: str, metrics: bytes | str, watched_as: EngineKind) -> Wrong | None:

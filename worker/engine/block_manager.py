@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from worker.engine.sequence import Sequence
+from vramledger.worker.engine.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

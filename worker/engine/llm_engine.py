@@ -11,26 +11,32 @@ from collections.abc import Callable
 import torch
 
 from vramledger.ledger_document import LedgerDocument
-from worker.config import EngineConfig
-from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalText, TokenTexts, text_decoder
-from worker.engine.memory_setup import plan_memory
-from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import EngineStats, RequestOutput, TokenLogprob
-from worker.engine.penalties import History
-from worker.engine.sampler import RowParams, draw, propose, top_logprobs
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
-from worker.engine.snapshot import EngineSnapshot, publishes
-from worker.engine.spec_decode import verify_logits
-from worker.engine.speculation import CATCH_UP_AFTER, speculation_policy
-from worker.engine.startup import StartupPhases
-from worker.memory.device import get_device
-from worker.memory.ledger import Ledger, format_table, summary_line
-from worker.memory.profiler import collecting_only_new_objects, measure_held, measure_weights
-from worker.models.llama import CausalLM
-from worker.models.loader import ModelLoadError, load_config, load_model, load_tokenizer, same_tokenizer_files
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.block_manager import BlockManager
+from vramledger.worker.engine.detokenizer import IncrementalText, TokenTexts, text_decoder
+from vramledger.worker.engine.memory_setup import plan_memory
+from vramledger.worker.engine.model_runner import ModelRunner
+from vramledger.worker.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from vramledger.worker.engine.penalties import History
+from vramledger.worker.engine.sampler import RowParams, draw, propose, top_logprobs
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.scheduler import Scheduler
+from vramledger.worker.engine.sequence import Sequence
+from vramledger.worker.engine.snapshot import EngineSnapshot, publishes
+from vramledger.worker.engine.spec_decode import verify_logits
+from vramledger.worker.engine.speculation import CATCH_UP_AFTER, speculation_policy
+from vramledger.worker.engine.startup import StartupPhases
+from vramledger.worker.memory.device import get_device
+from vramledger.worker.memory.ledger import Ledger, format_table, summary_line
+from vramledger.worker.memory.profiler import collecting_only_new_objects, measure_held, measure_weights
+from vramledger.worker.models.llama import CausalLM
+from vramledger.worker.models.loader import (
+    ModelLoadError,
+    load_config,
+    load_model,
+    load_tokenizer,
+    same_tokenizer_files,
+)
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vramledger.ledger_vocabulary import GROWTH_BEFORE_PROFILE, MEASURED_FROM_PROFILE
-from worker.config import EngineConfig
-from worker.engine.model_runner import ModelRunner
-from worker.engine.profile_run import (
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.model_runner import ModelRunner
+from vramledger.worker.engine.profile_run import (
     block_index,
     profile_blocks,
     request_states,
@@ -14,15 +14,15 @@ from worker.engine.profile_run import (
     run_varied,
     run_worst_case,
 )
-from worker.memory.device import Device
-from worker.memory.ledger import Ledger
-from worker.memory.plan import (
+from vramledger.worker.memory.device import Device
+from vramledger.worker.memory.ledger import Ledger
+from vramledger.worker.memory.plan import (
     budget_bytes,
     check_free_memory,
     max_usable_kv_bytes,
     plan_kv_blocks,
 )
-from worker.memory.profiler import MemorySnapshot, measure_held, profile_window
+from vramledger.worker.memory.profiler import MemorySnapshot, measure_held, profile_window
 
 
 def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledger: Ledger,

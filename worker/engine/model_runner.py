@@ -6,11 +6,11 @@ from contextlib import contextmanager
 
 import torch
 
-from worker.kernels import paged_attention, prefill_attention
-from worker.models.attention import BlockTables, GatherWorkspace, PagedBatch, build_paged_batch
-from worker.models.compiled import compile_model, shape_classes
-from worker.models.llama import CausalLM
-from worker.models.packed_linear import warm
+from vramledger.worker.kernels import paged_attention, prefill_attention
+from vramledger.worker.models.attention import BlockTables, GatherWorkspace, PagedBatch, build_paged_batch
+from vramledger.worker.models.compiled import compile_model, shape_classes
+from vramledger.worker.models.llama import CausalLM
+from vramledger.worker.models.packed_linear import warm
 
 
 class ModelRunner:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.sampling_params import SamplingParams
 
 
 class History:

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from worker.config import EngineConfig
-from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalText, text_decoder
-from worker.engine.model_runner import ModelRunner
-from worker.engine.sampler import RowParams, draw, propose
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.sequence import Sequence
-from worker.engine.spec_decode import verify_logits
-from worker.engine.speculation import CATCH_UP_AFTER
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.block_manager import BlockManager
+from vramledger.worker.engine.detokenizer import IncrementalText, text_decoder
+from vramledger.worker.engine.model_runner import ModelRunner
+from vramledger.worker.engine.sampler import RowParams, draw, propose
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.sequence import Sequence
+from vramledger.worker.engine.spec_decode import verify_logits
+from vramledger.worker.engine.speculation import CATCH_UP_AFTER
 
 # Sampling with top-k and top-p takes the most memory (a sort of the vocabulary).
 WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)

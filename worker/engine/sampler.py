@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.penalties import History
-from worker.engine.sampling_params import SamplingParams
-from worker.kernels import draw_tokens
+from vramledger.worker.engine.penalties import History
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.kernels import draw_tokens
 
 
 class RowParams:

@@ -5,8 +5,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence, Status
+from vramledger.worker.engine.block_manager import BlockManager
+from vramledger.worker.engine.sequence import Sequence, Status
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

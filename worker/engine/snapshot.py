@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
 
 if TYPE_CHECKING:  # the server imports this module: it need not load the engine's parts
-    from worker.engine.block_manager import BlockManager
-    from worker.engine.outputs import EngineStats
-    from worker.engine.scheduler import Scheduler
+    from vramledger.worker.engine.block_manager import BlockManager
+    from vramledger.worker.engine.outputs import EngineStats
+    from vramledger.worker.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)

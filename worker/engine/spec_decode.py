@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.sampler import RowParams, inverse_cdf, only_temperature, probabilities, uniforms
-from worker.kernels import verify_tokens
+from vramledger.worker.engine.sampler import RowParams, inverse_cdf, only_temperature, probabilities, uniforms
+from vramledger.worker.kernels import verify_tokens
 
 
 def verify_logits(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, logits: torch.Tensor,

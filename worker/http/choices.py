@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from worker.http.engine_loop import EngineFailed
-from worker.http.errors import APIError, error_body
-from worker.http.renderer import ResponseRenderer, usage
+from vramledger.worker.http.engine_loop import EngineFailed
+from vramledger.worker.http.errors import APIError, error_body
+from vramledger.worker.http.renderer import ResponseRenderer, usage
 
 if TYPE_CHECKING:
-    from worker.engine.outputs import RequestOutput, TokenLogprob
-    from worker.http.renderer import Choice
+    from vramledger.worker.engine.outputs import RequestOutput, TokenLogprob
+    from vramledger.worker.http.renderer import Choice
 
 
 @dataclass

@@ -15,9 +15,9 @@ import time
 
 import uvicorn
 
-from worker.http.engine_loop import EngineLoop
-from worker.http.errors import error_body, send_json
-from worker.http.settings import ABORT_GRACE
+from vramledger.worker.http.engine_loop import EngineLoop
+from vramledger.worker.http.errors import error_body, send_json
+from vramledger.worker.http.settings import ABORT_GRACE
 
 log = logging.getLogger(__name__)
 RETRY_AFTER = "5"  # seconds; a client's retry then lands on a replica that is not draining

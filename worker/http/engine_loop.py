@@ -23,13 +23,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from worker.engine.outputs import RequestOutput
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.snapshot import EngineSnapshot
-from worker.http.metrics import RequestMetrics
+from vramledger.worker.engine.outputs import RequestOutput
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.engine.snapshot import EngineSnapshot
+from vramledger.worker.http.metrics import RequestMetrics
 
 if TYPE_CHECKING:
-    from worker.engine.llm_engine import LLMEngine  # typing only: importing it loads torch and the models
+    from vramledger.worker.engine.llm_engine import (
+        LLMEngine,  # typing only: importing it loads torch and the models
+    )
 
 log = logging.getLogger(__name__)
 

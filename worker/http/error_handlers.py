@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from worker.http.errors import APIError, error_body, send_json
+from vramledger.worker.http.errors import APIError, error_body, send_json
 
 log = logging.getLogger(__name__)
 UNION_TAGS = ("str", "int", "float", "bool", "TextPart")  # pydantic's union branches in an error's path

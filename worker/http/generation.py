@@ -16,15 +16,15 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from worker.http.body_slots import release_body_slot
-from worker.http.choices import Job, collect, events
-from worker.http.engine_loop import EngineLoop
-from worker.http.errors import APIError
-from worker.http.openai_protocol import choice_params, sampling_params
-from worker.http.renderer import ResponseRenderer
-from worker.http.request_body import parse, read_json
-from worker.http.request_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from worker.http.state import ServerState
+from vramledger.worker.http.body_slots import release_body_slot
+from vramledger.worker.http.choices import Job, collect, events
+from vramledger.worker.http.engine_loop import EngineLoop
+from vramledger.worker.http.errors import APIError
+from vramledger.worker.http.openai_protocol import choice_params, sampling_params
+from vramledger.worker.http.renderer import ResponseRenderer
+from vramledger.worker.http.request_body import parse, read_json
+from vramledger.worker.http.request_models import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from vramledger.worker.http.state import ServerState
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import hmac
 import logging
 from collections.abc import Callable
 
-from worker.http.body_slots import SCOPE_KEY, BodySlots
-from worker.http.errors import error_body, send_json
-from worker.http.intake import peer
-from worker.http.settings import ServerSettings
+from vramledger.worker.http.body_slots import SCOPE_KEY, BodySlots
+from vramledger.worker.http.errors import error_body, send_json
+from vramledger.worker.http.intake import peer
+from vramledger.worker.http.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 CLOSE = {"connection": "close"}  # the body was not read to its end: the connection cannot carry another

@@ -21,11 +21,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vramledger.ledger_document import LedgerDocument
-from worker.engine.outputs import RequestOutput
-from worker.engine.snapshot import EngineSnapshot
+from vramledger.worker.engine.outputs import RequestOutput
+from vramledger.worker.engine.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
-    from worker.engine.llm_engine import LLMEngine
+    from vramledger.worker.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

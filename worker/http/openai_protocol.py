@@ -4,9 +4,9 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
-from worker.engine.sampling_params import SamplingParams
-from worker.http.errors import APIError
-from worker.http.request_models import ChatCompletionRequest, CompletionRequest
+from vramledger.worker.engine.sampling_params import SamplingParams
+from vramledger.worker.http.errors import APIError
+from vramledger.worker.http.request_models import ChatCompletionRequest, CompletionRequest
 
 
 def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:

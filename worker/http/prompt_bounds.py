@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from worker.http.errors import APIError
-from worker.http.request_models import MAX_NAME_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from vramledger.worker.http.errors import APIError
+from vramledger.worker.http.request_models import MAX_NAME_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 log = logging.getLogger(__name__)
 # Unicode normalizations (a first normalizer step) the bound applies itself before measuring.

@@ -8,14 +8,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from worker.http.errors import APIError
-from worker.http.openai_protocol import chat_text, checked_token_ids, single_prompt, text_token_ids
-from worker.http.prompt_bounds import PromptBound
+from vramledger.worker.http.errors import APIError
+from vramledger.worker.http.openai_protocol import chat_text, checked_token_ids, single_prompt, text_token_ids
+from vramledger.worker.http.prompt_bounds import PromptBound
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from worker.http.request_models import ChatCompletionRequest
+    from vramledger.worker.http.request_models import ChatCompletionRequest
 
 SHORT_CHARS = 1 << 12  # a prompt (or a conversation's texts) this long at most takes the short lane
 MARKUP_CHARS = 64  # what a chat template may add per message, counted toward the lane
@@ -57,8 +57,8 @@ class PromptEncoder:
 
     def load(self, model: str) -> None:
         """Load the tokenizer and warm both threads up (blocking: the engine thread calls it)."""
-        from worker.memory.device import release_free_heap
-        from worker.models.loader import load_config, load_tokenizer
+        from vramledger.worker.memory.device import release_free_heap
+        from vramledger.worker.models.loader import load_config, load_tokenizer
 
         tokenizer = load_tokenizer(model)
         tokenizer.model_max_length = sys.maxsize  # lengths are checked here: no warning about long texts

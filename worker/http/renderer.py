@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from worker.engine.outputs import TokenLogprob
+    from vramledger.worker.engine.outputs import TokenLogprob
 
     # One choice run to its end: text, token ids, finish reason, logprobs (when asked for).
     Choice = tuple[str, list[int], str | None, list[TokenLogprob] | None]

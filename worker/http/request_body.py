@@ -16,8 +16,8 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from worker.http.error_handlers import validation_error
-from worker.http.errors import APIError
+from vramledger.worker.http.error_handlers import validation_error
+from vramledger.worker.http.errors import APIError
 
 Body = TypeVar("Body", bound=BaseModel)
 

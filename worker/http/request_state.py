@@ -17,20 +17,20 @@ import json
 
 import torch
 
-from worker.config import EngineConfig
-from worker.engine.outputs import RequestOutput
-from worker.engine.profile_run import request_states
-from worker.http.choices import Job
-from worker.http.prompt_bounds import body_limit, costliest_text, ledger_texts
-from worker.http.prompt_encoder import IN_STAGE, SHORT_CHARS, PromptEncoder
-from worker.http.renderer import ResponseRenderer
-from worker.http.request_models import (
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.outputs import RequestOutput
+from vramledger.worker.engine.profile_run import request_states
+from vramledger.worker.http.choices import Job
+from vramledger.worker.http.prompt_bounds import body_limit, costliest_text, ledger_texts
+from vramledger.worker.http.prompt_encoder import IN_STAGE, SHORT_CHARS, PromptEncoder
+from vramledger.worker.http.renderer import ResponseRenderer
+from vramledger.worker.http.request_models import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from worker.http.settings import ServerSettings
+from vramledger.worker.http.settings import ServerSettings
 
 READ_BYTES = 64 << 10  # the pieces a body arrives in: uvicorn stops reading at 64 KiB until the app takes them
 

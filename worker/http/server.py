@@ -1,4 +1,4 @@
-"""The worker's HTTP app and `python -m worker serve`: the state, the routers, the error handlers and
+"""The worker's HTTP app and `python -m vramledger.worker serve`: the state, the routers, the error handlers and
 the ASGI layers put together, then served by uvicorn."""
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from worker.config import EngineConfig
-from worker.http.access_log import quiet_probes
-from worker.http.drain import DrainGate, DrainingServer
-from worker.http.error_handlers import CrashBarrier, install_error_handlers
-from worker.http.guard import Guard
-from worker.http.intake import intake_protocol
-from worker.http.request_body import body_schemas
-from worker.http.request_models import ChatCompletionRequest, CompletionRequest
-from worker.http.routers import chat, completions, health, memory, metrics, models
-from worker.http.settings import ENGINE_STOP_GRACE, HTTP_SHUTDOWN_GRACE, ServerSettings
-from worker.http.state import EngineFactory, ServerState
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.http.access_log import quiet_probes
+from vramledger.worker.http.drain import DrainGate, DrainingServer
+from vramledger.worker.http.error_handlers import CrashBarrier, install_error_handlers
+from vramledger.worker.http.guard import Guard
+from vramledger.worker.http.intake import intake_protocol
+from vramledger.worker.http.request_body import body_schemas
+from vramledger.worker.http.request_models import ChatCompletionRequest, CompletionRequest
+from vramledger.worker.http.routers import chat, completions, health, memory, metrics, models
+from vramledger.worker.http.settings import ENGINE_STOP_GRACE, HTTP_SHUTDOWN_GRACE, ServerSettings
+from vramledger.worker.http.state import EngineFactory, ServerState
 
 log = logging.getLogger(__name__)
 # In the OpenAPI schema's order.

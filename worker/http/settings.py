@@ -45,7 +45,7 @@ class ServerSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerSettings:
-        """The settings of `python -m worker serve`: its flags and the VRAMLEDGER_* variables (--api-key
+        """The settings of `python -m vramledger.worker serve`: its flags and the VRAMLEDGER_* variables (--api-key
         wins over VRAMLEDGER_API_KEY)."""
         return cls(api_key=args.api_key or environ.get(API_KEY_ENV) or None,
                    max_waiting=args.max_waiting,

@@ -16,18 +16,20 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
-from worker.config import EngineConfig
-from worker.engine.startup import StartupPhases, collector_paused, merged
-from worker.http.drain import Drain
-from worker.http.engine_loop import EngineLoop
-from worker.http.errors import APIError
-from worker.http.metrics import EngineCollector, RequestMetrics, ServingInfo
-from worker.http.prompt_bounds import body_limit
-from worker.http.prompt_encoder import PromptEncoder
-from worker.http.settings import ServerSettings
+from vramledger.worker.config import EngineConfig
+from vramledger.worker.engine.startup import StartupPhases, collector_paused, merged
+from vramledger.worker.http.drain import Drain
+from vramledger.worker.http.engine_loop import EngineLoop
+from vramledger.worker.http.errors import APIError
+from vramledger.worker.http.metrics import EngineCollector, RequestMetrics, ServingInfo
+from vramledger.worker.http.prompt_bounds import body_limit
+from vramledger.worker.http.prompt_encoder import PromptEncoder
+from vramledger.worker.http.settings import ServerSettings
 
 if TYPE_CHECKING:
-    from worker.engine.llm_engine import LLMEngine  # typing only: importing it loads torch and the models
+    from vramledger.worker.engine.llm_engine import (
+        LLMEngine,  # typing only: importing it loads torch and the models
+    )
 
 EngineFactory = Callable[[EngineConfig], "LLMEngine"]
 
@@ -116,9 +118,9 @@ def load_engine(config: EngineConfig, settings: ServerSettings, encoder: PromptE
     unless a factory is given) with the requests the server may hold in flight in its ledger."""
     # torch, transformers and the models: the HTTP side never needs them
     with startup.phase("imports"), collector_paused():
-        from worker.engine.llm_engine import LLMEngine
-        from worker.http.request_state import requests_in_flight
-        from worker.models.loader import import_model_libraries
+        from vramledger.worker.engine.llm_engine import LLMEngine
+        from vramledger.worker.http.request_state import requests_in_flight
+        from vramledger.worker.models.loader import import_model_libraries
 
         import_model_libraries(config.model)
     with startup.phase("tokenizer"):

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from worker.kernels import native
+from vramledger.worker.kernels import native
 
 BLOCK = 16  # outputs a block holds: one AVX-512 register of float32 (two of AVX2)
 

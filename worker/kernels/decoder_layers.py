@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.kernels import native, paged_attention
+from vramledger.worker.kernels import native, paged_attention
 
 WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
            "down_bias")

@@ -8,7 +8,7 @@ makes each 16-lane vector a pair of 256-bit ones. Where neither or the compiler 
 returns None (saying why once) and callers keep torch's ops.
 
 An image built once for many machines ships them prebuilt, for both instruction sets:
-`python -m worker.kernels.native DIR` builds every kernel into DIR, and VRAMLEDGER_KERNELS_DIR=DIR
+`python -m vramledger.worker.kernels.native DIR` builds every kernel into DIR, and VRAMLEDGER_KERNELS_DIR=DIR
 makes `load` take a library from there before it compiles anything.
 
 A kernel that allocates scratch returns a status (0, or KERNEL_OUT_OF_MEMORY from vec16.h where its

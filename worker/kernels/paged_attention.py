@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from worker.kernels import native
+from vramledger.worker.kernels import native
 
 MAX_SCRATCH = 16 << 20  # bytes of scores a thread holds for one row (paged_attention.h)
 

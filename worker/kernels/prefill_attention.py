@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from worker.kernels import paged_attention
+from vramledger.worker.kernels import paged_attention
 
 MAX_SCRATCH = 16 << 20  # bytes of scores a thread holds for one tile (prefill_attention.h)
 TILE_ROWS = 32  # the most query rows a tile holds (16 on AVX2 builds): what sizes a thread's scratch

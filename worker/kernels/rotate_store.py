@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from worker.kernels import native
+from vramledger.worker.kernels import native
 
 
 @functools.cache

@@ -9,9 +9,9 @@ from vramledger.ledger_document import Component, LedgerDocument
 from vramledger.ledger_vocabulary import COMPONENTS, LEDGER_VERSION, WORKER_COMPONENTS
 from vramledger.processes import ProcessMemory
 from vramledger.units import GiB, MiB, format_bytes
-from worker.memory.device import Device
-from worker.memory.plan import blocks_per_sequence
-from worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
+from vramledger.worker.memory.device import Device
+from vramledger.worker.memory.plan import blocks_per_sequence
+from vramledger.worker.memory.profiler import MemorySnapshot, foreign_bytes, runtime_bytes
 
 
 @dataclass

@@ -6,7 +6,7 @@ import math
 
 from vramledger.processes import ProcessMemory
 from vramledger.units import GiB, format_bytes
-from worker.memory.device import Device
+from vramledger.worker.memory.device import Device
 
 log = logging.getLogger(__name__)
 

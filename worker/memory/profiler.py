@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from worker.memory.device import Device
+from vramledger.worker.memory.device import Device
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from worker.models.llama import CausalLM, write_kv
-from worker.models.packed_linear import is_packed
+from vramledger.worker.models.llama import CausalLM, write_kv
+from vramledger.worker.models.packed_linear import is_packed
 
 # Options for every compiled model: weights as constants; code built in this process, so no pool
 # of compile workers outlives startup as memory the ledger does not name.

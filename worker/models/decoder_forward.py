@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import torch
 
-from worker.config import usable_cores
-from worker.kernels import blocked_linear, decoder_layers, paged_attention, prefill_attention
-from worker.models.attention import PagedBatch
+from vramledger.worker.config import usable_cores
+from vramledger.worker.kernels import blocked_linear, decoder_layers, paged_attention, prefill_attention
+from vramledger.worker.models.attention import PagedBatch
 
 # Multiply-adds below which a step runs on one thread. Each layer's stages meet at ~10 barriers; a
 # second thread woken at each one (OpenMP's passive waiting, cli.py) costs more than it takes on a

@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.kernels import paged_attention, prefill_attention, rms_norm, rotate_store
-from worker.models.attention import PagedBatch
-from worker.models.decoder_forward import DecoderForward
-from worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
-from worker.models.rope import RotaryEmbedding, rotate_
+from vramledger.worker.kernels import paged_attention, prefill_attention, rms_norm, rotate_store
+from vramledger.worker.models.attention import PagedBatch
+from vramledger.worker.models.decoder_forward import DecoderForward
+from vramledger.worker.models.packed_linear import ROW_BUCKETS, in_slices, linear, pack, packable
+from vramledger.worker.models.rope import RotaryEmbedding, rotate_
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 

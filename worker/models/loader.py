@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker.models.llama import CausalLM
+from vramledger.worker.models.llama import CausalLM
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 

@@ -19,7 +19,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from worker.kernels import blocked_linear
+from vramledger.worker.kernels import blocked_linear
 
 PACK_BATCH_HINT = 32  # rows the packing is tuned for; any row count is computed correctly
 # Up to 16 rows a pass costs about the same at any count (it reads the weights); above, a padded

@@ -1,4 +1,4 @@
-"""`python -m worker selfcheck`: replay the scenarios that break a ledger on this device and say whether it held.
+"""`python -m vramledger.worker selfcheck`: replay the scenarios that break a ledger on this device and say whether it held.
 
 One concept a file: options (the flags), scale (sizes per device), checkpoints (sizes read from a
 checkpoint, the large random pair), processes (everything started, always cleaned up), workers (a

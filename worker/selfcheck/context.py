@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.selfcheck.checkpoints import read_config
-from worker.selfcheck.processes import Processes
-from worker.selfcheck.scale import Scale
-from worker.selfcheck.view import DeviceView
-from worker.selfcheck.workers import Launcher, WorkerProcess
+from vramledger.worker.selfcheck.checkpoints import read_config
+from vramledger.worker.selfcheck.processes import Processes
+from vramledger.worker.selfcheck.scale import Scale
+from vramledger.worker.selfcheck.view import DeviceView
+from vramledger.worker.selfcheck.workers import Launcher, WorkerProcess
 
 
 @dataclass

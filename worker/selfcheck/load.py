@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from worker.selfcheck.workers import WorkerProcess
+from vramledger.worker.selfcheck.workers import WorkerProcess
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A foreign process that holds device memory: `python -m worker.selfcheck.neighbour --device D --bytes N`.
+"""A foreign process that holds device memory: `python -m vramledger.worker.selfcheck.neighbour --device D --bytes N`.
 
 It allocates and touches N bytes (a torch tensor on CUDA, a filled buffer on the CPU), prints
 "ready", and holds them until its stdin closes or it is signalled.
@@ -10,7 +10,7 @@ import select
 import subprocess
 import sys
 
-from worker.selfcheck.processes import Processes, Started
+from vramledger.worker.selfcheck.processes import Processes, Started
 
 
 def hold(device: str, nbytes: int):
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_neighbour(procs: Processes, name: str, device: str, nbytes: int, timeout: float = 120.0) -> Started:
     """Start a neighbour and return once it holds its memory."""
-    proc = procs.start(name, [sys.executable, "-m", "worker.selfcheck.neighbour", "--device", device,
+    proc = procs.start(name, [sys.executable, "-m", "vramledger.worker.selfcheck.neighbour", "--device", device,
                               "--bytes", str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     said = proc.popen.stdout
     assert said is not None  # started with stdout=PIPE

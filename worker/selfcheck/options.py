@@ -1,9 +1,9 @@
-"""The flags of `python -m worker selfcheck`."""
+"""The flags of `python -m vramledger.worker selfcheck`."""
 from __future__ import annotations
 
 import argparse
 
-from worker.config import DTYPES
+from vramledger.worker.config import DTYPES
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vramledger.units import format_bytes
-from worker.config import DEFAULT_MODEL
-from worker.memory.device import get_device
-from worker.selfcheck import (
+from vramledger.worker.config import DEFAULT_MODEL
+from vramledger.worker.memory.device import get_device
+from vramledger.worker.selfcheck import (
     scenario_draft,
     scenario_exporter,
     scenario_ledger,
@@ -23,10 +23,10 @@ from worker.selfcheck import (
     scenario_vllm,
     scenario_vllm_pair,
 )
-from worker.selfcheck.checkpoints import LARGE_SHAPES, build_random_checkpoint
-from worker.selfcheck.context import Context
-from worker.selfcheck.processes import Processes, ProcessExited, WaitTimedOut, signals_raise
-from worker.selfcheck.report import (
+from vramledger.worker.selfcheck.checkpoints import LARGE_SHAPES, build_random_checkpoint
+from vramledger.worker.selfcheck.context import Context
+from vramledger.worker.selfcheck.processes import Processes, ProcessExited, WaitTimedOut, signals_raise
+from vramledger.worker.selfcheck.report import (
     FAIL,
     CannotRun,
     ScenarioResult,
@@ -34,8 +34,8 @@ from worker.selfcheck.report import (
     format_table,
     to_json,
 )
-from worker.selfcheck.scale import make_scale
-from worker.selfcheck.view import DeviceView
+from vramledger.worker.selfcheck.scale import make_scale
+from vramledger.worker.selfcheck.view import DeviceView
 
 log = logging.getLogger(__name__)
 TITLES = {1: scenario_ledger.TITLE, 2: scenario_draft.TITLE, 3: scenario_neighbours.TITLE,

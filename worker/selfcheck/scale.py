@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from vramledger.units import GiB, MiB
-from worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
-from worker.memory.plan import blocks_per_sequence
-from worker.models.packed_linear import packs
-from worker.selfcheck.checkpoints import ELEMENT_BYTES, kv_bytes_per_block, weight_bytes
+from vramledger.worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from vramledger.worker.memory.plan import blocks_per_sequence
+from vramledger.worker.models.packed_linear import packs
+from vramledger.worker.selfcheck.checkpoints import ELEMENT_BYTES, kv_bytes_per_block, weight_bytes
 
 # Scenario 3: the two workers' shares of the device (vLLM issue 55827: 0.7 + 0.2 started together).
 PAIR_SHARES = (0.7, 0.2)

@@ -4,11 +4,11 @@ load stays inside its budget. The draft's size comes from its checkpoint, not fr
 from __future__ import annotations
 
 from vramledger.units import format_bytes
-from worker.selfcheck.checkpoints import kv_bytes_per_block
-from worker.selfcheck.context import Context
-from worker.selfcheck.report import Check, ScenarioResult
-from worker.selfcheck.scenario_ledger import entry, peak_checks
-from worker.selfcheck.workers import WorkerProcess
+from vramledger.worker.selfcheck.checkpoints import kv_bytes_per_block
+from vramledger.worker.selfcheck.context import Context
+from vramledger.worker.selfcheck.report import Check, ScenarioResult
+from vramledger.worker.selfcheck.scenario_ledger import entry, peak_checks
+from vramledger.worker.selfcheck.workers import WorkerProcess
 
 TITLE = "the draft's memory is in the budget"
 TOLERANCE = 0.02

@@ -9,10 +9,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from vramledger.units import format_bytes
-from worker.selfcheck.context import Context
-from worker.selfcheck.processes import ProcessExited, free_port, wait_http
-from worker.selfcheck.report import CannotRun, Check, ScenarioResult
-from worker.selfcheck.scenario_neighbours import Neighbourhood
+from vramledger.worker.selfcheck.context import Context
+from vramledger.worker.selfcheck.processes import ProcessExited, free_port, wait_http
+from vramledger.worker.selfcheck.report import CannotRun, Check, ScenarioResult
+from vramledger.worker.selfcheck.scenario_neighbours import Neighbourhood
 
 TITLE = "the exporter sees it"
 TOLERANCE = 0.05
@@ -33,7 +33,7 @@ def run(ctx: Context, hood: Neighbourhood, result: ScenarioResult) -> None:
         raise CannotRun("no worker of scenario 3 started")
     backend = "host" if ctx.view.kind == "cpu" else "nvml"
     port = free_port()
-    cmd = [sys.executable, "-m", "exporter", "--backend", backend, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "vramledger.exporter", "--backend", backend, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "WARNING"]
     for worker in hood.workers:
         cmd += ["--worker", worker.url]

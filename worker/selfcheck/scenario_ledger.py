@@ -3,11 +3,11 @@ process, at idle and at the peak of a load that fills the KV cache; the peak nev
 from __future__ import annotations
 
 from vramledger.units import format_bytes
-from worker.selfcheck.context import Context
-from worker.selfcheck.load import LoadResult, fill_load
-from worker.selfcheck.report import Check, ScenarioResult
-from worker.selfcheck.view import settle
-from worker.selfcheck.workers import WorkerProcess
+from vramledger.worker.selfcheck.context import Context
+from vramledger.worker.selfcheck.load import LoadResult, fill_load
+from vramledger.worker.selfcheck.report import Check, ScenarioResult
+from vramledger.worker.selfcheck.view import settle
+from vramledger.worker.selfcheck.workers import WorkerProcess
 
 TITLE = "ledger vs device"
 GAP = 0.05  # the device's view may differ from the ledger by this share of the declared total

@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramledger.units import format_bytes
-from worker.selfcheck.context import Context
-from worker.selfcheck.neighbour import start_neighbour
-from worker.selfcheck.processes import ProcessExited, Started, WaitTimedOut
-from worker.selfcheck.report import CannotRun, Check, ScenarioResult
-from worker.selfcheck.scale import PAIR_SHARES
-from worker.selfcheck.scenario_ledger import idle_check
-from worker.selfcheck.view import settle
-from worker.selfcheck.workers import WorkerProcess
+from vramledger.worker.selfcheck.context import Context
+from vramledger.worker.selfcheck.neighbour import start_neighbour
+from vramledger.worker.selfcheck.processes import ProcessExited, Started, WaitTimedOut
+from vramledger.worker.selfcheck.report import CannotRun, Check, ScenarioResult
+from vramledger.worker.selfcheck.scale import PAIR_SHARES
+from vramledger.worker.selfcheck.scenario_ledger import idle_check
+from vramledger.worker.selfcheck.view import settle
+from vramledger.worker.selfcheck.workers import WorkerProcess
 
 TITLE = "a neighbour's memory is foreign, two workers start at once"
 FOREIGN_TOLERANCE = 0.05

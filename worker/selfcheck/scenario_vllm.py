@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vramledger.units import MiB, format_bytes
 from vramledger.vllm_plugin.gate import PLUGIN_NAME, unsupported_reason
-from worker.selfcheck.context import Context
-from worker.selfcheck.processes import free_port, wait_http
-from worker.selfcheck.report import CannotRun, Check, ScenarioResult
-from worker.selfcheck.scale import Scale
-from worker.selfcheck.view import settle
+from vramledger.worker.selfcheck.context import Context
+from vramledger.worker.selfcheck.processes import free_port, wait_http
+from vramledger.worker.selfcheck.report import CannotRun, Check, ScenarioResult
+from vramledger.worker.selfcheck.scale import Scale
+from vramledger.worker.selfcheck.view import settle
 
 TITLE = "vLLM's own ledger (the vLLM plugin)"
 WEIGHTS_TOLERANCE, VIEW_TOLERANCE = 0.02, 0.05

@@ -14,11 +14,11 @@ from typing import Protocol
 
 from vramledger.units import format_bytes
 from vramledger.vllm_plugin.sizing import OWN_PROCESS, SETTING, VLLM
-from worker.selfcheck import scenario_vllm
-from worker.selfcheck.context import Context
-from worker.selfcheck.processes import ProcessExited, WaitTimedOut, free_port, wait_http
-from worker.selfcheck.report import CannotRun, Check, ScenarioResult
-from worker.selfcheck.scale import PAIR_SHARES
+from vramledger.worker.selfcheck import scenario_vllm
+from vramledger.worker.selfcheck.context import Context
+from vramledger.worker.selfcheck.processes import ProcessExited, WaitTimedOut, free_port, wait_http
+from vramledger.worker.selfcheck.report import CannotRun, Check, ScenarioResult
+from vramledger.worker.selfcheck.scale import PAIR_SHARES
 
 TITLE = "two vLLM servers start at once (own-process sizing)"
 BLOCK_TOLERANCE = 1  # blocks: "each KV cache within one block of what it gets alone"

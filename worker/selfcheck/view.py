@@ -5,7 +5,7 @@ import threading
 import time
 
 from vramledger.processes import ProcessMemory
-from worker.memory.device import Device
+from vramledger.worker.memory.device import Device
 
 
 class DeviceView:

@@ -1,4 +1,4 @@
-"""A worker process (`python -m worker serve`) on a loopback port, and how selfcheck launches one."""
+"""A worker process (`python -m vramledger.worker serve`) on a loopback port, and how selfcheck launches one."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from worker.selfcheck.processes import Processes, Started, free_port, wait_http
+from vramledger.worker.selfcheck.processes import Processes, Started, free_port, wait_http
 
 # The children listen on loopback only, without the API key the user may have set for real servers.
 _DROPPED_ENV = ("VRAMLEDGER_API_KEY", "VRAMLEDGER_METRICS_AUTH")
@@ -48,13 +48,13 @@ class WorkerProcess:
 
 
 class Launcher:
-    """Starts workers as `python -m worker serve --port P --host 127.0.0.1 FLAGS`.
+    """Starts workers as `python -m vramledger.worker serve --port P --host 127.0.0.1 FLAGS`.
 
     `command` is what runs before the flags; another launcher (another command, or another way of
     waiting) is passed to the scenario functions directly, never chosen by a flag.
     """
 
-    command: tuple[str, ...] = (sys.executable, "-m", "worker", "serve")
+    command: tuple[str, ...] = (sys.executable, "-m", "vramledger.worker", "serve")
 
     def start(self, procs: Processes, name: str, flags: list[str], env: dict[str, str] | None = None
               ) -> WorkerProcess:

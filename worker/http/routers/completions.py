@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from worker.http.errors import ERRORS
-from worker.http.generation import admit, prepare, respond
-from worker.http.request_body import documented
-from worker.http.request_models import CompletionRequest
-from worker.http.response_models import CompletionResponse
-from worker.http.state import StateDep
+from vramledger.worker.http.errors import ERRORS
+from vramledger.worker.http.generation import admit, prepare, respond
+from vramledger.worker.http.request_body import documented
+from vramledger.worker.http.request_models import CompletionRequest
+from vramledger.worker.http.response_models import CompletionResponse
+from vramledger.worker.http.state import StateDep
 
 router = APIRouter()
 

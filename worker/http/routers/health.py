@@ -4,8 +4,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from worker.http.errors import ErrorResponse, error_body
-from worker.http.state import StateDep
+from vramledger.worker.http.errors import ErrorResponse, error_body
+from vramledger.worker.http.state import StateDep
 
 router = APIRouter()
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from worker.http.errors import ERRORS
-from worker.http.state import StateDep
+from vramledger.worker.http.errors import ERRORS
+from vramledger.worker.http.state import StateDep
 
 router = APIRouter()
 

@@ -5,8 +5,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client.exposition import choose_encoder
 
-from worker.http.errors import APIError
-from worker.http.state import StateDep
+from vramledger.worker.http.errors import APIError
+from vramledger.worker.http.state import StateDep
 
 router = APIRouter()
 

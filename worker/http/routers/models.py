@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from worker.http.errors import ERRORS
-from worker.http.response_models import ModelCard, ModelList
-from worker.http.state import ServerState, StateDep
+from vramledger.worker.http.errors import ERRORS
+from vramledger.worker.http.response_models import ModelCard, ModelList
+from vramledger.worker.http.state import ServerState, StateDep
 
 router = APIRouter()
 
