@@ -60,7 +60,7 @@ class LedgerWorker:
             "worker": {"pid": os.getpid(), "host_pid": None, "container_id": container_id,
                        "hostname": socket.gethostname()},
             "models": {"target": "ledger-worker", "draft": None},
-            "device": {"kind": "cpu", "index": None, "uuid": None, "name": "cpu",
+            "device": {"kind": "cpu", "index": 0, "uuid": None, "name": "cpu",
                        "total_bytes": total, "free_at_start_bytes": available},
             "budget": {"bytes": len(self.weights), "utilization": None, "kv_cache_memory": 0},
             "entries": [

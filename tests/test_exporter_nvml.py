@@ -25,7 +25,7 @@ from vramledger.exporter.collector import ExporterCollector
 from vramledger.exporter.engines import Engines, Status, VramledgerEngine
 from vramledger.exporter.engines.base import Unreachable
 from vramledger.exporter.engines.fetch import HttpClient
-from vramledger.exporter.engines.vramledger import parse_ledger
+from vramledger.exporter.engines.vramledger import worker_ledger
 from vramledger.exporter.errors import ErrorLog
 from vramledger.exporter.processes import HostPidResolver
 from vramledger.exporter.sources import HostSource, NvmlSource, SourceUnavailable, open_source
@@ -51,7 +51,7 @@ class LedgerEngine(VramledgerEngine):
     def read(self):
         if self.doc is None:
             raise Unreachable(f"{self.url}: down")
-        return self.state(parse_ledger(self.url, self.doc))
+        return self.state(worker_ledger(self.url, self.doc))
 
 
 def exporter(monkeypatch, gpus, docs, max_processes=32, resolver=None, engines=()):

@@ -28,10 +28,10 @@ from vramledger.exporter.engines.base import EngineInfo, EngineState
 from vramledger.exporter.engines.fetch import HttpClient
 from vramledger.exporter.engines.ranks import Entry, ServerProcess
 from vramledger.exporter.engines.vllm_ledger import NO_LEDGER, LedgerReader, parse, parse_ranks
-from vramledger.exporter.engines.vramledger import LedgerError
 from vramledger.exporter.errors import ErrorLog
 from vramledger.exporter.processes import PortLocator
 from vramledger.exporter.sources import HOST, DeviceMemory
+from vramledger.ledger_reading import LedgerError
 
 CPU_LEDGER = HERE / "data" / "vllm_ledger.json"
 NEIGHBOUR = HERE / "data" / "vllm_ledger_cuda_neighbour.json"
@@ -45,7 +45,7 @@ def load(path):
 
 
 def test_the_recorded_cpu_ledger():
-    [rank] = parse_ranks("http://vllm:8000", load(CPU_LEDGER))
+    [rank] = parse_ranks(load(CPU_LEDGER))
     assert (rank.rank, rank.device_kind, rank.device_uuid) == (0, "cpu", None)
     assert rank.declared_bytes == 1632060560 == sum(rank.components().values())
     assert rank.components() == {("runtime", ""): 524481536, ("weights", "target"): 21251200,
@@ -55,27 +55,27 @@ def test_the_recorded_cpu_ledger():
     assert rank.budget_bytes is None and rank.weights_outside_budget() == {}
     assert rank.foreign_charged_bytes is None
     # The server's other processes: the API server, multiprocessing's resource tracker, the engine core.
-    assert parse("http://vllm:8000", load(CPU_LEDGER)).processes == (
+    assert parse(load(CPU_LEDGER)).processes == (
         ServerProcess("api_server", 2176, 507550720), ServerProcess("other", 2370, 6781952),
         ServerProcess("engine_core", 2371, 489629696))
 
 
 def test_the_recorded_cuda_ledgers_show_the_two_bugs():
-    [neighbour] = parse_ranks("http://vllm:8000", load(NEIGHBOUR))
+    [neighbour] = parse_ranks(load(NEIGHBOUR))
     assert (neighbour.device_kind, neighbour.device_uuid) == ("cuda", "GPU-fake")
     assert neighbour.budget_bytes == 2 * GiB
     assert Entry("non_torch", "", 288 * MiB, True) in neighbour.entries  # device-wide: the neighbour's in it
     assert neighbour.foreign_charged_bytes == 256 * MiB  # its own non-torch growth was 32 MiB
     assert neighbour.weights_outside_budget() == {"target": 0, "draft": 0}
 
-    [late] = parse_ranks("http://vllm:8000", load(DRAFT_AFTER_PROFILE))
+    [late] = parse_ranks(load(DRAFT_AFTER_PROFILE))
     assert late.weights_outside_budget() == {"target": 0, "draft": 2 * MiB}
     assert late.foreign_charged_bytes == 0
 
 
 def test_own_process_sizing_charges_nothing_foreign():
-    [vllm] = parse_ranks("http://vllm:8000", load(NEIGHBOUR))
-    [own] = parse_ranks("http://vllm:8000", load(OWN_PROCESS))
+    [vllm] = parse_ranks(load(NEIGHBOUR))
+    [own] = parse_ranks(load(OWN_PROCESS))
     assert (vllm.sizing.ran, own.sizing.ran, own.sizing.fallback) == ("vllm", "own-process", "")
     assert own.foreign_charged_bytes == 0 and vllm.foreign_charged_bytes == 256 * MiB
     # The same start, both figures: what vLLM's arithmetic charged, and the process's own.
@@ -107,7 +107,7 @@ def broken(path, change):
         "sizing-ran", "sizing-charge", "sizing-charged", "negative-bytes", "in-budget", "device-kind"])
 def test_a_document_that_is_not_the_plugins_is_refused(doc):
     with pytest.raises(LedgerError):
-        parse_ranks("http://vllm:8000", doc)
+        parse_ranks(doc)
 
 
 @pytest.mark.parametrize("processes", [
@@ -119,19 +119,19 @@ def test_a_document_that_is_not_the_plugins_is_refused(doc):
 ], ids=["not-a-list", "unknown-role", "pid-text", "negative-bytes", "no-bytes"])
 def test_processes_that_are_not_the_plugins_are_refused(processes):
     with pytest.raises(LedgerError):
-        parse("http://vllm:8000", load(CPU_LEDGER) | {"processes": processes})
+        parse(load(CPU_LEDGER) | {"processes": processes})
 
 
 def test_a_plugin_that_lists_no_processes_declares_its_ranks_only():
     for listed in (None, []):  # null: it could not measure them; a plugin older than the list has none
-        ledger = parse("http://vllm:8000", load(CPU_LEDGER) | {"processes": listed})
+        ledger = parse(load(CPU_LEDGER) | {"processes": listed})
         assert ledger.processes == () and len(ledger.ranks) == 1
 
 
 def test_the_servers_other_processes_declare_on_the_host_only():
     """A GPU rank declares on its GPU; the API server and the engine core on the host, where the host is
     read (the host reader), and nowhere else: they hold no GPU memory."""
-    [rank] = parse_ranks("http://vllm:8000", load(NEIGHBOUR))
+    [rank] = parse_ranks(load(NEIGHBOUR))
     state = EngineState(frozenset([1, 2, 3]), EngineInfo("vllm"), ranks=(rank,),
                         processes=(ServerProcess("api_server", 1, 500 * MiB), ServerProcess("engine_core", 2, 400 * MiB)))
     gpu = DeviceMemory("0", "GPU-fake", "gpu", 80 * GiB, 6 * GiB, 74 * GiB, None, ())

@@ -16,10 +16,11 @@ from prometheus_client import CollectorRegistry
 from vramledger.exporter.cli import build_parser
 from vramledger.exporter.collector import ExporterCollector
 from vramledger.exporter.engines import Engines
-from vramledger.exporter.engines.vramledger import LedgerError, WorkerLedger, parse_ledger
+from vramledger.exporter.engines.vramledger import WorkerLedger, worker_ledger
 from vramledger.exporter.errors import ErrorLog
 from vramledger.exporter.processes import HostPidResolver, in_container, parse_nspid
 from vramledger.exporter.sources import HostSource
+from vramledger.ledger_reading import LedgerError
 from vramledger.worker.selfcheck.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def documented_ledger() -> dict:
 
 
 def test_parse_the_documented_ledger():
-    ledger = parse_ledger("http://w:8000", documented_ledger())
+    ledger = worker_ledger("http://w:8000", documented_ledger())
     assert ledger == WorkerLedger("http://w:8000", pid=4242, host_pid=4242, container_id=None,
                                   device_kind="cuda", declared_bytes=70267093696, model="/models/target",
                                   kv_usage=12 / 57220)  # blocks_used / blocks_total
@@ -60,7 +61,7 @@ def test_parse_the_documented_ledger():
 ])
 def test_parse_rejects_garbage(mangle):
     with pytest.raises(LedgerError) as e:
-        parse_ledger("http://w:8000", mangle(documented_ledger()))
+        worker_ledger("http://w:8000", mangle(documented_ledger()))
     assert len(str(e.value)) < 200  # the value named, clipped
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from vramledger import ledger_document, ledger_vocabulary
 from vramledger.ledger_document import SCHEMA_FILE, schema_text
+from vramledger.ledger_reading import LedgerError, parse_ledger, parse_server_document
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "vramledger" / SCHEMA_FILE
@@ -69,17 +71,20 @@ def test_the_definition_imports_without_pydantic():
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
 
 
-def test_the_workers_live_ledger_meets_the_schema(validator, worker_document):
+def test_the_workers_live_ledger_meets_the_schema_and_reads(validator, worker_document):
     assert errors(validator, worker_document) == []
     assert {e["model"] for e in worker_document["entries"]} >= {"target", "draft"}  # a speculating worker's
+    assert parse_ledger(worker_document) is worker_document  # its one reader (vramledger/ledger_reading.py)
 
 
 @pytest.mark.parametrize("path", PLUGIN_DOCUMENTS, ids=lambda p: p.stem)
-def test_the_plugins_documents_meet_the_schema(validator, path):
+def test_the_plugins_documents_meet_the_schema_and_read(validator, path):
     document = json.loads(path.read_text())
     assert errors(validator, document) == []
+    assert parse_server_document(document) is document
     for rank in document["ranks"]:  # each rank's ledger is a document of its own
         assert errors(validator, rank) == []
+        assert parse_ledger(rank) is rank
 
 
 def test_the_recorded_documents_cover_the_plugins_optional_parts():
@@ -114,6 +119,11 @@ def test_a_wrong_document_is_refused_where_it_is_wrong(validator, ledger_validat
     assert errors(ledger_validator, worker_document) == []
     found = errors(ledger_validator, wrong)
     assert found and all(e.startswith(where + ":") for e in found), found
+    if where == "live":  # a field the definition does not have: the schema refuses it, the reader ignores it
+        assert parse_ledger(wrong) is wrong
+    else:  # the reader refuses it too, naming the same field
+        with pytest.raises(LedgerError, match="^" + re.escape(re.sub(r"/(\d+)", r"[\1]", where).replace("/", "."))):
+            parse_ledger(wrong)
 
 
 def test_a_rank_with_a_wrong_type_is_refused_in_a_server_document(validator):

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from vramledger.ledger_document import SCHEMA_FILE
+from vramledger.ledger_reading import parse_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -130,6 +131,7 @@ def test_the_plugins_ledgers_meet_the_shipped_schema(neighbour, draft_after_prof
     validator = jsonschema.Draft202012Validator(json.loads((ROOT / "vramledger" / SCHEMA_FILE).read_text()))
     for run in (neighbour, draft_after_profile, neighbour_own_process):
         assert [e.message for e in validator.iter_errors(run["ledger"])] == []
+        assert parse_ledger(run["ledger"]) is run["ledger"]  # and a rank's ledger reads (ledger_reading.py)
         assert run["ledger"]["profile"] is not None  # the plugin-only parts, filled in
 
 

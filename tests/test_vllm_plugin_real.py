@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_exporter_host import find, one, scrape, spawn, start_exporter  # noqa: F401
 from vllm_plugin_install import plugin_path
 
+from vramledger.ledger_reading import parse_server_document
 from vramledger.worker.selfcheck.processes import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,7 @@ def test_ledger_has_weights_per_model_and_the_kv_cache_vllm_allocated(with_plugi
     assert response.status_code == 200, response.text
     doc = response.json()
     assert (doc["version"], doc["engine"], doc["engine_version"]) == (1, "vllm", "0.32.0")
+    assert parse_server_document(doc) is doc  # the document's one reader reads it (vramledger/ledger_reading.py)
     [rank] = doc["ranks"]
     assert rank["rank"] == 0 and rank["errors"] == []
     entries = {(e["component"], e["model"]): e for e in rank["entries"]}

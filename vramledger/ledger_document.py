@@ -13,18 +13,40 @@ Torch-free and free of pydantic at import (vLLM's processes load it); only the g
 from __future__ import annotations
 
 import json
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 # typing_extensions, not typing: pydantic builds a schema from TypedDicts only with these before Python 3.12.
 from typing_extensions import NotRequired, TypedDict
 
+from vramledger.ledger_bounds import (
+    MAX_BYTES,
+    MAX_ENTRIES,
+    MAX_RANKS,
+    MAX_TOKENS,
+    PID_MAX,
+    LabelText,
+    Most,
+    Within,
+)
+
 SCHEMA_FILE = "ledger.schema.json"
+
+# What a number or a text may be (ledger_bounds.py): the schema states it, the reader refuses beyond it.
+Bytes = Annotated[int, Within(0, MAX_BYTES)]
+Change = Annotated[int, Within(-MAX_BYTES, MAX_BYTES)]  # a difference of two measures: may be below 0
+Pid = Annotated[int, Within(1, PID_MAX)]
+Count = Annotated[int, Within(0, MAX_TOKENS)]  # blocks, tokens, an index
+RankNumber = Annotated[int, Within(0, MAX_RANKS - 1)]
+Share = Annotated[float, Within(0, 1)]
+Seconds = Annotated[float, Within(0, 1 << 40)]  # a Unix time
+Label = Annotated[str, LabelText()]  # republished as a label, or named in one
 
 # Written out, as a type must be; tests/test_ledger_schema.py holds each to ledger_vocabulary's words.
 Version = Literal[1]  # LEDGER_VERSION
 Component = Literal["runtime", "weights", "kernels", "compiled", "activation_peak", "non_torch", "allocator",
                     "sequence_state", "server", "cuda_graph", "kv_cache"]  # COMPONENTS
 Scope = Literal["process", "device"]  # SCOPE_PROCESS, SCOPE_DEVICE
+Sizer = Literal["vllm", "own-process"]  # the plugin's sizing arithmetics (vllm_plugin/sizing.py CHOICES)
 ServerRole = Literal["api_server", "engine_core", "other"]  # SERVER_ROLES
 DeviceKind = Literal["cuda", "cpu"]  # what the exporter places a ledger on
 
@@ -32,99 +54,99 @@ DeviceKind = Literal["cuda", "cpu"]  # what the exporter places a ledger on
 class ProcessIdentityDoc(TypedDict):
     """Who the process is (vramledger/identity.py)."""
 
-    pid: int
-    host_pid: int | None
-    container_id: str | None
-    hostname: str
+    pid: Pid
+    host_pid: Pid | None
+    container_id: Label | None
+    hostname: Label
 
 
 class ModelsDoc(TypedDict):
-    target: str
-    draft: str | None
+    target: Label
+    draft: Label | None
 
 
 class DeviceDoc(TypedDict):
     kind: DeviceKind
-    index: int
-    uuid: str | None
+    index: Count
+    uuid: Label | None
     name: str
-    total_bytes: int | None  # None: the plugin's rank did not see vLLM's start snapshot
-    free_at_start_bytes: int | None
+    total_bytes: Bytes | None  # None: the plugin's rank did not see vLLM's start snapshot
+    free_at_start_bytes: Bytes | None
 
 
 class BudgetDoc(TypedDict):
-    bytes: int | None
-    utilization: float | None
-    kv_cache_memory: int | None
+    bytes: Bytes | None
+    utilization: Share | None
+    kv_cache_memory: Bytes | None
     sized_by: NotRequired[str | None]  # plugin: "utilization" or "kv_cache_memory"
 
 
 class EntryDoc(TypedDict):
     """One owner of memory: a component, its model ("" for none) and its bytes."""
 
-    component: Component
-    model: str
-    bytes: int
+    component: Annotated[Component, LabelText()]  # no label at all: beyond bounds before out of vocabulary
+    model: Label
+    bytes: Bytes
     scope: NotRequired[Scope]  # plugin: measured for the process, or read from the device's free memory
     in_budget: NotRequired[bool | None]  # plugin: charged to vLLM's budget (None: no budget)
 
 
 class ForeignProcessDoc(TypedDict):
-    pid: int
+    pid: Pid
     name: str
-    bytes: int | None  # None: the device could not say
+    bytes: Bytes | None  # None: the device could not say
 
 
 class ForeignAtStartDoc(TypedDict):
-    bytes: int
+    bytes: Bytes
     processes: list[ForeignProcessDoc]
 
 
 class KvCacheDoc(TypedDict):
-    block_size: int
-    bytes_per_block: int
-    blocks_total: int
-    capacity_tokens: int
-    blocks_used: NotRequired[int]  # worker: live counts
-    blocks_cached: NotRequired[int]
-    blocks_free: NotRequired[int]
-    blocks_reserved: NotRequired[int]  # plugin: vLLM's null block, never handed out
-    sized_bytes: NotRequired[int | None]  # plugin: what vLLM's sizing gave the KV cache
+    block_size: Count
+    bytes_per_block: Bytes
+    blocks_total: Count
+    capacity_tokens: Count
+    blocks_used: NotRequired[Count]  # worker: live counts
+    blocks_cached: NotRequired[Count]
+    blocks_free: NotRequired[Count]
+    blocks_reserved: NotRequired[Count]  # plugin: vLLM's null block, never handed out
+    sized_bytes: NotRequired[Bytes | None]  # plugin: what vLLM's sizing gave the KV cache
 
 
 class ProfileDoc(TypedDict):
     """vLLM's memory profile, with the rank's own growth (plugin only)."""
 
-    consumed_bytes: int
-    torch_increase_bytes: int
-    non_torch_increase_bytes: int
-    peak_headroom_bytes: int
-    weights_bytes: int
-    non_kv_bytes: int
-    process_growth_bytes: int | None
-    non_torch_process_bytes: int | None
-    cuda_graph_estimate_bytes: int | None
+    consumed_bytes: Change
+    torch_increase_bytes: Change
+    non_torch_increase_bytes: Change
+    peak_headroom_bytes: Change
+    weights_bytes: Change
+    non_kv_bytes: Change
+    process_growth_bytes: Change | None
+    non_torch_process_bytes: Change | None
+    cuda_graph_estimate_bytes: Change | None
     cuda_graph_estimate_counted: bool
 
 
 class SizingDoc(TypedDict):
     """The KV sizing a rank asked for and the one that ran (plugin only)."""
 
-    requested: str
-    ran: str | None
-    fallback: str | None
+    requested: Sizer
+    ran: Sizer | None
+    fallback: Label | None
     fallback_reason: str | None
-    vllm_charged_bytes: int | None
-    own_process_bytes: int | None
-    charged_bytes: int | None
-    kv_bytes_given_back: int | None
+    vllm_charged_bytes: Bytes | None
+    own_process_bytes: Bytes | None
+    charged_bytes: Bytes | None
+    kv_bytes_given_back: Change | None
 
 
 class LiveDoc(TypedDict):
-    process_bytes: int | None  # None: the plugin could not read its process's memory
-    declared_bytes: int
-    unaccounted_bytes: int | None
-    measured_at: float
+    process_bytes: Bytes | None  # None: the plugin could not read its process's memory
+    declared_bytes: Bytes
+    unaccounted_bytes: Bytes | None
+    measured_at: Seconds
     process_source: NotRequired[str | None]  # plugin: how process_bytes was read ("pss", "nvml", ...)
 
 
@@ -136,14 +158,14 @@ class LedgerDocument(TypedDict):
     models: ModelsDoc
     device: DeviceDoc
     budget: BudgetDoc
-    entries: list[EntryDoc]
-    declared_bytes: int
+    entries: Annotated[list[EntryDoc], Most(MAX_ENTRIES)]
+    declared_bytes: Bytes
     kv_cache: KvCacheDoc
     live: LiveDoc
     foreign_at_start: NotRequired[ForeignAtStartDoc]  # worker: other processes' memory when it started
     engine: NotRequired[str]  # plugin: "vllm"
-    rank: NotRequired[int]
-    local_rank: NotRequired[int]
+    rank: NotRequired[RankNumber]
+    local_rank: NotRequired[RankNumber]
     profile: NotRequired[ProfileDoc | None]
     sizing: NotRequired[SizingDoc]
     errors: NotRequired[list[str]]  # plugin: hooks that failed, whose entries stay absent
@@ -153,14 +175,14 @@ class ServerProcessDoc(TypedDict):
     """A process of a vLLM server besides its ranks, declaring what it held when the server was ready."""
 
     role: ServerRole
-    pid: int
+    pid: Pid
     name: str
-    bytes: int
+    bytes: Bytes
     measure: str  # "pss", or "rss" where PSS cannot be read
     scope: Scope
     measured: str
-    measured_at: float
-    live_bytes: int | None
+    measured_at: Seconds
+    live_bytes: Bytes | None
 
 
 class ServerDocument(TypedDict):
@@ -169,8 +191,8 @@ class ServerDocument(TypedDict):
     version: Version
     engine: str
     engine_version: str
-    ranks: list[LedgerDocument]
-    processes: NotRequired[list[ServerProcessDoc] | None]  # None: measuring them failed
+    ranks: Annotated[list[LedgerDocument], Most(MAX_RANKS)]
+    processes: NotRequired[Annotated[list[ServerProcessDoc], Most(MAX_RANKS)] | None]  # None: measuring them failed
 
 
 def json_schema() -> dict:

@@ -12,24 +12,19 @@ import math
 from vramledger.exporter.engines.base import EngineState
 from vramledger.exporter.engines.ranks import RankLedger
 
-MAX_BYTES = 1 << 50  # 1 PiB: above the memory of any device or host an engine runs on
-PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT on 64-bit: the most /proc/sys/kernel/pid_max allows
-MAX_LABEL = 256  # characters of a label value an engine names (a model path, a version, a component)
-MAX_RANKS = 1024  # ranks of one server's ledger, and the highest rank number; its other processes
-MAX_ENTRIES = 256  # entries of one rank's ledger (each a series)
+# The bounds a ledger document's types carry, the same for what any engine says.
+from vramledger.ledger_bounds import (
+    MAX_BYTES,
+    MAX_ENTRIES,
+    MAX_LABEL,
+    MAX_RANKS,
+    MAX_TOKENS,
+    PID_MAX,
+    OutOfBounds,
+    shown,
+)
+
 MAX_MODELS = 256  # models one engine holds loaded (each a series), and kinds of runtime memory it reports
-MAX_TOKENS = 1 << 40  # tokens of a KV cache: a PiB of memory at a byte per token is fewer
-_SHOWN = 60  # characters of a refused value a message repeats
-
-
-class OutOfBounds(ValueError):
-    """A value no engine could truthfully say."""
-
-
-def shown(value: object) -> str:
-    """repr(value), clipped: a message repeats at most _SHOWN characters of what an engine sent."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 1 << 64 else f"a {value.bit_length()}-bit int"
-    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
 
 
 def check_bytes(value: int | None, what: str) -> None:

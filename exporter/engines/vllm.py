@@ -14,15 +14,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vramledger.exporter.engines.base import EngineInfo, EngineState, Loading, NotServing, Unreachable, Wrong
+from vramledger.exporter.engines.base import EngineInfo, EngineState, Loading, Unreachable, Wrong
 from vramledger.exporter.engines.bounds import OutOfBounds, shown
-from vramledger.exporter.engines.fetch import HttpClient, fetch
+from vramledger.exporter.engines.fetch import HttpClient
 from vramledger.exporter.engines.kinds import EngineKind
 from vramledger.exporter.engines.promtext import line_samples, sample_lines
+from vramledger.exporter.engines.served import PortEngine
 from vramledger.exporter.engines.vllm_ledger import LedgerReader
 from vramledger.exporter.engines.wrong_kind import other_kind
 from vramledger.exporter.errors import ErrorLog
-from vramledger.exporter.processes import Locator, NotFound, PortLocator
+from vramledger.exporter.processes import Locator
 
 NAME = "vllm"
 SOURCE = "vllm"
@@ -89,9 +90,9 @@ def _number(text: str | None, kind):
     return kind(number)
 
 
-class VllmEngine:
+class VllmEngine(PortEngine):
     """Reads one vLLM server each scrape: GET /metrics and /health, and its processes by port (or a given
-    pid); its ledger (GET /vramledger/memory) once per process tree.
+    pid); its version and its ledger (GET /vramledger/memory) once per process tree.
 
     A server that is not serving says why through NotServing (a vLLM that is still loading does not
     accept connections yet: unreachable). Processes that cannot be found are counted in
@@ -100,34 +101,26 @@ class VllmEngine:
     kind, source = NAME, SOURCE
 
     def __init__(self, url: str, client: HttpClient, errors: ErrorLog, locator: Locator | None = None):
-        self.url = url.rstrip("/")
-        self._client = client
-        self._errors = errors
-        self._locator = locator or PortLocator(self.url)
+        super().__init__(url, client, errors, locator)
         self._ledger = LedgerReader(self.url, client, errors)
-        self._version: str | None = None
 
-    def read(self) -> EngineState:
-        try:
-            metrics = self.read_metrics()
-            self.check_health()
-        except NotServing:
-            self._locator.forget()
-            self._ledger.forget()
-            self._version = None  # a restarted server may be another version
-            raise
-        try:
-            pids = self._locator.pids()
-        except (NotFound, ValueError) as e:
-            self._errors.record(SOURCE, f"no_process {self.url}", f"{self.url}: {e}")
-            pids = frozenset()
+    def serving(self) -> EngineState:
+        metrics = self.read_metrics()
+        self.check_health()
+        pids = self.pids()
         ledger = self._ledger.read(pids)
-        return EngineState(pids, EngineInfo(NAME, self._read_version(), metrics.model), metrics.kv_usage,
+        # GET /version: {"version": "0.32.0"}
+        version = self.noted_version(lambda: str(self.get("/version").json().get("version", "")))
+        return EngineState(pids, EngineInfo(NAME, version, metrics.model), metrics.kv_usage,
                            declared_share=metrics.declared_share, ranks=ledger.ranks, processes=ledger.processes)
+
+    def forget(self) -> None:
+        super().forget()
+        self._ledger.forget()
 
     def read_metrics(self) -> VllmMetrics:
         """GET /metrics, parsed; raises NotServing."""
-        text = fetch(self._client, self.url + "/metrics").content
+        text = self.get("/metrics").content
         try:
             return parse_metrics(text)
         except ValueError as e:
@@ -143,21 +136,9 @@ class VllmEngine:
         that is loading accepts no connection yet).
         """
         try:
-            fetch(self._client, self.url + "/health")
+            self.get("/health")
         except Loading as e:
             raise Unreachable(f"{self.url}/health answered 503: its engine core is dead ({e})") from None
-
-    def close(self) -> None:
-        pass
-
-    def _read_version(self) -> str:
-        if self._version is None:  # GET /version: {"version": "0.32.0"}, read once per server run
-            try:
-                self._version = str(fetch(self._client, self.url + "/version").json().get("version", ""))
-            except (NotServing, ValueError, AttributeError) as e:  # only the label is lost
-                self._errors.note(SOURCE, f"no_version {self.url}", f"{self.url}/version: {e}")
-                self._version = ""
-        return self._version
 
 
 KIND = EngineKind(

@@ -15,12 +15,12 @@ import logging
 from dataclasses import dataclass
 
 from vramledger.exporter.engines.base import Loading, NotServing, Unreachable
-from vramledger.exporter.engines.bounds import shown
+from vramledger.exporter.engines.bounds import OutOfBounds, shown
 from vramledger.exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from vramledger.exporter.engines.ranks import Entry, RankLedger, ServerProcess, Sizing
-from vramledger.exporter.engines.vramledger import LedgerError, is_int, parse_ledger
 from vramledger.exporter.errors import ErrorLog
-from vramledger.ledger_vocabulary import SERVER_ROLES
+from vramledger.ledger_document import LedgerDocument, SizingDoc
+from vramledger.ledger_reading import LedgerError, parse_server_document
 
 log = logging.getLogger(__name__)
 
@@ -38,75 +38,39 @@ class ServerLedger:
 NO_LEDGER = ServerLedger()
 
 
-def parse(url: str, doc: object) -> ServerLedger:
-    """The plugin's document; raises LedgerError where it is not that document."""
-    return ServerLedger(parse_ranks(url, doc), parse_processes(doc))
+def parse(document: object) -> ServerLedger:
+    """The plugin's document; raises LedgerError where it is not that document (BeyondBounds, an
+    OutOfBounds too, where it is and says what cannot be)."""
+    doc = parse_server_document(document)
+    if doc["engine"] != "vllm":
+        raise LedgerError(f"engine {shown(doc['engine'])}: not the vLLM plugin's ledger")
+    return ServerLedger(tuple(_rank(rank) for rank in doc["ranks"]),
+                        tuple(ServerProcess(p["role"], p["pid"], p["bytes"]) for p in doc.get("processes") or ()))
 
 
-def parse_processes(doc: object) -> tuple[ServerProcess, ...]:
-    """The server's other processes; () from a plugin that lists none (null: it could not measure them)."""
-    listed = doc.get("processes") if isinstance(doc, dict) else None
-    if listed is None:
-        return ()
-    if not isinstance(listed, list):
-        raise LedgerError(f"processes {shown(listed)} is no list")
-    return tuple(_process(p) for p in listed)
-
-
-def _process(doc: object) -> ServerProcess:
-    role, pid, size = (doc.get(k) for k in ("role", "pid", "bytes")) if isinstance(doc, dict) else (None,) * 3
-    if role not in SERVER_ROLES or not is_int(pid) or not is_int(size) or size < 0:
-        raise LedgerError(f"bad process {shown(doc)} (a role of {', '.join(SERVER_ROLES)}, a pid, bytes)")
-    return ServerProcess(role, pid, size)
-
-
-def parse_ranks(url: str, doc: object) -> tuple[RankLedger, ...]:
+def parse_ranks(document: object) -> tuple[RankLedger, ...]:
     """The ranks of the plugin's document; raises LedgerError where it is not that document."""
-    if not isinstance(doc, dict) or doc.get("engine") != "vllm" or not isinstance(doc.get("ranks"), list):
-        raise LedgerError("not the vLLM plugin's ledger (no engine \"vllm\" with a list of ranks)")
-    return tuple(_rank(url, rank) for rank in doc["ranks"])
+    return parse(document).ranks
 
 
-def _rank(url: str, doc: object) -> RankLedger:
-    ledger = parse_ledger(url, doc)  # each rank is a ledger of docs/ledger.md
-    assert isinstance(doc, dict)  # parse_ledger has checked it
-    rank, entries = doc.get("rank"), doc.get("entries")
-    if not is_int(rank) or rank < 0:  # its upper bound is checked with the others' (engines/bounds.py)
-        raise LedgerError(f"bad rank {shown(rank)}")
-    if not isinstance(entries, list):
-        raise LedgerError(f"rank {rank}: no list of entries")
-    uuid = doc["device"].get("uuid")
-    budget = doc.get("budget")
-    size = budget.get("bytes") if isinstance(budget, dict) else None
-    return RankLedger(rank, ledger.device_kind, uuid if isinstance(uuid, str) and uuid else None,
-                      ledger.declared_bytes, tuple(_entry(rank, e) for e in entries),
-                      size if is_int(size) and size >= 0 else None, _sizing(rank, doc.get("sizing")))
+def _rank(doc: LedgerDocument) -> RankLedger:
+    rank, device, budget = doc["rank"], doc["device"], doc.get("budget")
+    return RankLedger(rank, device["kind"], device.get("uuid") or None, doc["declared_bytes"],
+                      tuple(Entry(e["component"], e["model"], e["bytes"], e.get("in_budget")) for e in doc["entries"]),
+                      budget.get("bytes") if budget else None, _sizing(rank, doc.get("sizing")))
 
 
-def _entry(rank: int, doc: object) -> Entry:
-    if not isinstance(doc, dict):
-        raise LedgerError(f"rank {rank}: an entry that is no object")
-    component, model, size, in_budget = (doc.get(k) for k in ("component", "model", "bytes", "in_budget"))
-    if not isinstance(component, str) or not component or not isinstance(model, str):
-        raise LedgerError(f"rank {rank}: bad entry {shown(doc)}")
-    if not is_int(size) or size < 0:
-        raise LedgerError(f"rank {rank}: bad bytes in entry {shown(doc)}")
-    if in_budget is not None and not isinstance(in_budget, bool):
-        raise LedgerError(f"rank {rank}: bad in_budget in entry {shown(doc)}")
-    return Entry(component, model, size, in_budget)
-
-
-def _sizing(rank: int, doc: object) -> Sizing | None:
+def _sizing(rank: int, doc: SizingDoc | None) -> Sizing | None:
     """The rank's sizing (docs/vllm.md); None where no profile run sized its KV cache, or a plugin
     older than the block."""
-    if not isinstance(doc, dict) or doc.get("ran") is None:
+    ran = None if doc is None else doc.get("ran")
+    if doc is None or ran is None:
         return None
-    ran, fallback, vllm, own, charged = (doc.get(k) for k in ("ran", "fallback", "vllm_charged_bytes",
-                                                              "own_process_bytes", "charged_bytes"))
-    if ran not in ("vllm", "own-process") or not (fallback is None or isinstance(fallback, str)) \
-            or not is_int(vllm) or not (own is None or is_int(own)) or not is_int(charged) or charged not in (vllm, own):
-        raise LedgerError(f"rank {rank}: bad sizing {doc!r}")
-    return Sizing(ran, fallback or "", vllm, own, charged)
+    vllm, own, charged = doc.get("vllm_charged_bytes"), doc.get("own_process_bytes"), doc.get("charged_bytes")
+    if vllm is None or charged is None or charged not in (vllm, own):  # the charge that ran is one of the two
+        raise LedgerError(f"rank {rank}: sizing charged {shown(charged)}, neither vLLM's {shown(vllm)} nor its "
+                          f"own process's {shown(own)}")
+    return Sizing(ran, doc.get("fallback") or "", vllm, own, charged)
 
 
 class LedgerReader:
@@ -118,14 +82,22 @@ class LedgerReader:
         self._errors = errors
         self._tree: frozenset[int] | None = None  # the processes the kept answer is theirs
         self._ledger = NO_LEDGER
+        self._false: str | None = None  # what the kept answer said that cannot be
         self._said = ""  # the last outcome logged, so that a restart with the same one logs nothing
 
     def read(self, tree: frozenset[int]) -> ServerLedger:
-        """The ledger of the server whose processes are tree (frozenset() where unknown)."""
+        """The ledger of the server whose processes are tree (frozenset() where unknown); raises
+        OutOfBounds, for as long as that tree serves, where its ledger says what cannot be."""
         if tree == self._tree:
+            if self._false is not None:  # raised anew: the one raised before keeps its traceback
+                raise OutOfBounds(self._false)
             return self._ledger
+        self._false = None
         try:
-            ledger = parse(self.url, fetch(self._client, self.url + PATH).json())
+            ledger = parse(fetch(self._client, self.url + PATH).json())
+        except OutOfBounds as e:  # the plugin's ledger, false: the server is wrong, not without a ledger
+            self._tree, self._ledger, self._false = tree, NO_LEDGER, str(e)
+            raise
         except WrongStatus as e:
             if e.status_code != 404:
                 self._errors.record(SOURCE, f"ledger_status {self.url}", f"{self.url}{PATH}: {e}")
@@ -146,7 +118,7 @@ class LedgerReader:
 
     def forget(self) -> None:
         """The server stopped answering: ask its ledger again once it serves."""
-        self._tree, self._ledger = None, NO_LEDGER
+        self._tree, self._ledger, self._false = None, NO_LEDGER, None
 
     def _say(self, outcome: str) -> None:
         if outcome == self._said:

@@ -4,18 +4,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TypeGuard
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from vramledger.exporter.engines.base import EngineInfo, EngineState, NotServing, Wrong
-from vramledger.exporter.engines.bounds import MAX_BYTES, MAX_LABEL, is_pid, shown
 from vramledger.exporter.engines.fetch import HttpClient, WrongStatus, fetch
 from vramledger.exporter.engines.kinds import EngineKind
 from vramledger.exporter.engines.wrong_kind import other_kind_at
 from vramledger.exporter.errors import ErrorLog
 from vramledger.exporter.processes import TREE_MAX_AGE, HostPidResolver, Locator, NotFound, PortLocator
+from vramledger.ledger_document import KvCacheDoc
+from vramledger.ledger_reading import parse_ledger
 
 log = logging.getLogger(__name__)
 
@@ -36,46 +36,21 @@ class WorkerLedger:
     kv_usage: float | None = None
 
 
-class LedgerError(ValueError):
-    """A ledger document that does not follow docs/ledger.md."""
+def worker_ledger(url: str, document: object) -> WorkerLedger:
+    """What the exporter joins on, from a worker's ledger; raises LedgerError where it is none."""
+    doc = parse_ledger(document)
+    worker, models, kv = doc["worker"], doc.get("models"), doc.get("kv_cache")
+    return WorkerLedger(url, worker["pid"], worker.get("host_pid"), worker.get("container_id") or None,
+                        doc["device"]["kind"], doc["declared_bytes"], models.get("target", "") if models else "",
+                        None if kv is None else _kv_usage(kv))
 
 
-def parse_ledger(url: str, doc: object) -> WorkerLedger:
-    """Validates the fields the exporter uses; anything else in the document is ignored."""
-    if not isinstance(doc, dict) or doc.get("version") != 1:
-        raise LedgerError("not a version-1 ledger")
-    worker, device = doc.get("worker"), doc.get("device")
-    if not isinstance(worker, dict) or not isinstance(device, dict):
-        raise LedgerError("missing 'worker' or 'device'")
-    pid, host_pid, declared = worker.get("pid"), worker.get("host_pid"), doc.get("declared_bytes")
-    container_id, kind = worker.get("container_id"), device.get("kind")
-    if not is_int(pid) or not is_pid(pid):
-        raise LedgerError(f"bad worker.pid {shown(pid)}")
-    if host_pid is not None and (not is_int(host_pid) or not is_pid(host_pid)):
-        raise LedgerError(f"bad worker.host_pid {shown(host_pid)}")
-    if container_id is not None and not (isinstance(container_id, str) and len(container_id) <= MAX_LABEL):
-        raise LedgerError(f"bad worker.container_id {shown(container_id)}")
-    if not is_int(declared) or not 0 <= declared <= MAX_BYTES:
-        raise LedgerError(f"bad declared_bytes {shown(declared)}")
-    if kind not in ("cuda", "cpu"):
-        raise LedgerError(f"bad device.kind {shown(kind)}")
-    models = doc.get("models")
-    target = models.get("target") if isinstance(models, dict) else None
-    return WorkerLedger(url, pid, host_pid, container_id or None, kind, declared,
-                        target if isinstance(target, str) else "", _kv_usage(doc.get("kv_cache")))
-
-
-def _kv_usage(kv: object) -> float | None:
-    if not isinstance(kv, dict):
-        return None
+def _kv_usage(kv: KvCacheDoc) -> float | None:
+    """Blocks in use of all; None where the ledger gives no live counts (a vLLM rank's)."""
     used, total = kv.get("blocks_used"), kv.get("blocks_total")
-    if not (is_int(used) and is_int(total)) or total <= 0 or not 0 <= used <= total:
+    if used is None or not total or used > total:
         return None
     return used / total
-
-
-def is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class VramledgerEngine:
@@ -139,7 +114,7 @@ class VramledgerEngine:
         """GET /v1/memory, parsed; raises NotServing."""
         try:
             response = fetch(self._client, self.url + "/v1/memory")
-            return parse_ledger(self.url, response.json())
+            return worker_ledger(self.url, response.json())
         except WrongStatus as e:  # no /v1/memory: another kind of engine, maybe
             raise other_kind_at(self._client, self.url, KIND) or e from None
         except ValueError as e:  # invalid JSON or ledger

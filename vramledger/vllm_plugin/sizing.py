@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Final
 
-from vramledger.ledger_document import SizingDoc
+from vramledger.ledger_document import Sizer, SizingDoc
 
 if TYPE_CHECKING:
     from vramledger.vllm_plugin.record import ProfileFacts
@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.plugins.vramledger")
 
 SETTING = "VRAMLEDGER_VLLM_SIZING"
-VLLM, OWN_PROCESS = "vllm", "own-process"
-CHOICES = (VLLM, OWN_PROCESS)
+VLLM: Final = "vllm"
+OWN_PROCESS: Final = "own-process"
+CHOICES: tuple[Sizer, ...] = (VLLM, OWN_PROCESS)
 # Why own-process sizing was asked for and vLLM's arithmetic ran.
 UNSEEN, BAD_SETTING, FAILED = "own_memory_unseen", "bad_setting", "sizing_failed"
 
@@ -33,8 +34,8 @@ UNSEEN, BAD_SETTING, FAILED = "own_memory_unseen", "bad_setting", "sizing_failed
 class Sizing:
     """The sizing a rank asked for, the one that ran, and both figures side by side."""
 
-    requested: str
-    ran: str | None = None  # None until a profile run sized the KV cache (never, given a KV size)
+    requested: Sizer
+    ran: Sizer | None = None  # None until a profile run sized the KV cache (never, given a KV size)
     fallback: str | None = None  # UNSEEN, BAD_SETTING or FAILED where own-process was asked and vllm ran
     fallback_reason: str | None = None
     vllm_charged_bytes: int | None = None  # what vLLM's arithmetic charges before the KV cache
@@ -43,7 +44,7 @@ class Sizing:
     @classmethod
     def from_environment(cls) -> Sizing:
         value = os.environ.get(SETTING, VLLM).strip() or VLLM
-        sizing = cls(value if value in CHOICES else VLLM)
+        sizing = cls(next((choice for choice in CHOICES if choice == value), VLLM))
         if value not in CHOICES:
             sizing.fall_back(BAD_SETTING, f"{SETTING}={value!r} is not one of {', '.join(CHOICES)}")
         return sizing

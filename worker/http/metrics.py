@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vramledger.ledger_document import LedgerDocument
+from vramledger.ledger_reading import parse_ledger
 from vramledger.worker.engine.outputs import RequestOutput
 from vramledger.worker.engine.snapshot import EngineSnapshot
 
@@ -76,7 +77,7 @@ class EngineCollector(Collector):
         snapshot = engine.snapshot  # taken once: every figure of this scrape is of the same moment
         report = functools.partial(engine.memory_report, snapshot)
         sources: dict[str, Callable[[], Iterator[Metric]]] = {
-            "ledger": lambda: self._ledger(report()),
+            "ledger": lambda: self._ledger(parse_ledger(report())),  # read as any reader does: no figure unchecked
             "kv_cache": lambda: self._kv_cache(snapshot),
             "queues": lambda: self._queues(snapshot),
             "counters": lambda: self._counters(snapshot),
