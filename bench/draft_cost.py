@@ -73,15 +73,16 @@ class ForwardTimes:
         runner.forward_parts = lambda name, p: timed(f"{name} plain/mixed", parts, name, p)
         policy.start_step = start
         engine._draft_catching_up = False
-        catch_up = engine._draft_catch_up
+        step = engine.speculative_step
+        catch_up = step.catch_up
 
-        def flagged(seqs):
+        def flagged(seqs, policy):
             engine._draft_catching_up = True
             try:
-                return catch_up(seqs)
+                return catch_up(seqs, policy)
             finally:
                 engine._draft_catching_up = False
-        engine._draft_catch_up = flagged
+        step.catch_up = flagged
 
     def reset(self) -> None:
         self.seconds.clear()

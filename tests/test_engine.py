@@ -199,7 +199,7 @@ def test_stop_string_and_eos_finish_requests(checkpoints):
         max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))
     assert stop_reason == "stop" and stop not in stopped_text and text.startswith(stopped_text)
     eos = e.tokenizer.eos_token_id
-    e.eos_token_ids = {tokens[3]}  # pretend a greedy token is the end of text
+    e.sampling.eos_token_ids = {tokens[3]}  # pretend a greedy token is the end of text
     (eos_tokens, _, eos_reason), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=40, temperature=0))
     assert eos_reason == "stop" and eos_tokens == tokens[:tokens.index(tokens[3]) + 1]
     assert eos is not None
@@ -303,7 +303,7 @@ def test_min_tokens_holds_back_end_of_text_and_stop_token_ids_end_the_request(ch
     assert reason == "stop" and stopped == tokens[:first + 1]
     assert stopped_text == e.tokenizer.decode(tokens[:first], skip_special_tokens=True)  # without the stop token
     # min_tokens: that token may not end the request (nor be chosen) before 10 tokens are out.
-    e.eos_token_ids = {stop_id}
+    e.sampling.eos_token_ids = {stop_id}
     (held, _, reason), = e.generate([prompts(1)[0]], SamplingParams(max_tokens=30, temperature=0, min_tokens=10))
     assert stop_id not in held[:10] and len(held) > 10
     assert reason == "length" or held[-1] == stop_id
@@ -315,9 +315,9 @@ def test_a_batch_reuses_its_sampling_settings_only_while_its_rows_are_the_same(c
     ids = [eng.add_request(p, sampled) for p in prompts(2)]
     ids.append(eng.add_request(prompts(3)[2], SamplingParams(max_tokens=4, temperature=0.8, seed=7)))
     a, b, seeded = (eng._seqs[i] for i in ids)
-    rows = eng._rows([a, b])
-    assert eng._rows([a, b]) is rows
-    reordered = eng._rows([seeded, a])
-    assert reordered is not rows and reordered.generators == [eng._generators[ids[2]], None]
+    rows = eng.sampling.rows([a, b])
+    assert eng.sampling.rows([a, b]) is rows
+    reordered = eng.sampling.rows([seeded, a])
+    assert reordered is not rows and reordered.generators == [eng.sampling.generators[ids[2]], None]
     penalized = eng._seqs[eng.add_request(prompts(1)[0], SamplingParams(max_tokens=4, repetition_penalty=1.2))]
-    assert eng._rows([a, penalized]) is not eng._rows([a, penalized])  # a history changes every step
+    assert eng.sampling.rows([a, penalized]) is not eng.sampling.rows([a, penalized])  # a history changes every step

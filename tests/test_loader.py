@@ -113,7 +113,7 @@ def test_a_draft_tokenizer_is_compared_by_its_files_then_by_loading_it(checkpoin
     import shutil
 
     from vramledger.worker.config import EngineConfig
-    from vramledger.worker.engine.llm_engine import check_same_tokenizer
+    from vramledger.worker.engine.engine_parts import check_same_tokenizer
     from vramledger.worker.models.loader import load_tokenizer, same_tokenizer_files
 
     target, draft = checkpoints["llama"], checkpoints["llama-draft"]

@@ -143,8 +143,8 @@ def test_a_speculative_steps_prompt_gets_its_first_token_before_the_proposals_ru
     e.step()  # its prefill: it decodes from now on
     late = e.add_request(PROMPTS[1], GREEDY)
     early, proposals = [], []
-    decode = e._decode_speculative
-    e._decode_speculative = lambda *a: proposals.append(list(early)) or decode(*a)
+    decode = e.speculative_step
+    e.speculative_step = lambda *a: proposals.append(list(early)) or decode(*a)
     rest = e.step(early=early.extend)
     assert [o.request_id for o in early] == [late] and len(early[0].new_token_ids) == 1
     assert proposals == [early]  # delivered before the proposals ran

@@ -1,4 +1,5 @@
-"""The profile run's decode step is the heaviest one the engine runs, whatever k the policy picks."""
+"""The profile run steps the engine's own step code at the heaviest shapes the engine runs, whatever k the
+policy picks: what a step holds is measured."""
 import pytest
 import torch
 
@@ -79,3 +80,41 @@ def test_every_prefill_step_of_serving_fits_the_profiled_shapes(checkpoints):
         assert all(start + c <= 96 for start, c in rows)
     assert any(start > 0 for rows in steps for start, _ in rows)  # chunks and cache hits ran
     assert engine.blocks.hit_tokens > 0
+
+
+HELD = 64 << 20  # bytes: far above this small pair's own activation peak
+
+
+def test_memory_a_new_part_of_the_step_holds_is_measured_with_no_change_to_the_profile(checkpoints, monkeypatch):
+    """The profile runs the engine's own SpeculativeStep: what a new part of its verification holds is in
+    the activation peak the plan records, though profile_run knows nothing of it (on the CPU the peak is
+    the kernel's resident high-water mark, so the held tensor is filled: its pages are resident)."""
+    from vramledger.worker.engine.memory_setup import plan_memory
+    from vramledger.worker.engine.speculative_step import SpeculativeStep
+    from vramledger.worker.memory.device import get_device
+    from vramledger.worker.memory.ledger import Ledger
+
+    cpu = get_device("cpu")
+    config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"], max_model_len=64,
+                          max_num_seqs=4, num_speculative_tokens=3, kv_cache_memory=1 << 20).resolve_lengths(64, "cpu")
+    runner = ModelRunner(load_model(config.model, torch.float32, cpu.torch_device),
+                         load_model(config.draft_model, torch.float32, cpu.torch_device), config.block_size,
+                         cpu.torch_device)
+
+    def activation_peak() -> int:
+        ledger = Ledger.at_start(cpu, config.model, config.draft_model)
+        plan_memory(runner, config, cpu, ledger)
+        return ledger.bytes_of("activation_peak")
+
+    before = activation_peak()
+    verify, held = SpeculativeStep.verify, []
+
+    def verify_holding(self, *args):
+        scratch = torch.ones(HELD // 4)  # float32, filled: resident while the target verifies
+        held.append(scratch.nbytes)
+        return verify(self, *args)
+
+    monkeypatch.setattr(SpeculativeStep, "verify", verify_holding)
+    after = activation_peak()
+    assert before < HELD <= after
+    assert held  # by the profile's own SpeculativeStep

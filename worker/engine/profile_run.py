@@ -1,4 +1,5 @@
-"""The heaviest step the engine will ever run, and the state it keeps per request, for measuring."""
+"""The heaviest step the engine will ever run, through the engine's own step code, and the state it
+keeps per request, for measuring."""
 from __future__ import annotations
 
 import torch
@@ -7,11 +8,14 @@ from vramledger.worker.config import EngineConfig
 from vramledger.worker.engine.block_manager import BlockManager
 from vramledger.worker.engine.detokenizer import IncrementalText, text_decoder
 from vramledger.worker.engine.model_runner import ModelRunner
-from vramledger.worker.engine.sampler import RowParams, draw, propose
+from vramledger.worker.engine.outputs import EngineStats
+from vramledger.worker.engine.plain_forward import plain_forward
+from vramledger.worker.engine.row_sampling import RowSampling
 from vramledger.worker.engine.sampling_params import SamplingParams
 from vramledger.worker.engine.sequence import Sequence
-from vramledger.worker.engine.spec_decode import verify_logits
-from vramledger.worker.engine.speculation import CATCH_UP_AFTER
+from vramledger.worker.engine.speculation import CATCH_UP_AFTER, speculation_policy
+from vramledger.worker.engine.speculative_step import SpeculativeStep
+from vramledger.worker.engine.step_context import StepContext
 
 # Sampling with top-k and top-p takes the most memory (a sort of the vocabulary).
 WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
@@ -41,57 +45,68 @@ def prefill_shapes(runner: ModelRunner, config: EngineConfig, longest: int) -> l
     return shapes
 
 
+class ProfileStep:
+    """The engine's own step code (plain_forward, SpeculativeStep) over rows made up for the profile.
+
+    Rows share one scratch block table: keys and values land on the same scratch slots, which
+    costs nothing in activations and keeps the scratch cache small. They sample with WORST_PARAMS;
+    the block pool (no prefix cache), the counters and the policy are scratch.
+    """
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig):
+        self.runner, self.config = runner, config
+        self.table = list(range(profile_blocks(config)))
+        vocab_size = runner.models["target"].config.vocab_size
+        self.context = StepContext(runner, BlockManager(len(self.table), config.block_size, caching=False),
+                                   EngineStats(num_speculative_tokens=config.num_speculative_tokens),
+                                   RowSampling(runner.device, config.seed, set(), vocab_size))
+        self.speculative = SpeculativeStep(self.context, config.max_num_batched_tokens)
+        self.policy = speculation_policy("fixed", config.num_speculative_tokens)  # learns nothing
+
+    def rows(self, count: int, length: int, cached: int, draft_cached: int = 0) -> list[Sequence]:
+        """`count` rows of `length` tokens (one list, shared), `cached` of them in the target's cache and
+        `draft_cached` in the draft's."""
+        tokens = [1] * length
+        rows = []
+        for i in range(count):
+            seq = Sequence(f"profile-{i}", tokens, WORST_PARAMS, block_table=self.table)
+            seq.num_cached, seq.num_draft_cached = cached, draft_cached
+            rows.append(seq)
+        return rows
+
+    def prefill(self, rows: int, width: int, start: int, beside: int = 0, longest: int = 0) -> None:
+        """A step's prefill: `rows` chunks of `width` tokens from `start`, and `beside` rows decoding at
+        position longest - 1 in the target's forward; then the draft's catch-up reading chunks as wide."""
+        plain_forward(self.context, self.rows(rows, start + width, start), [width] * rows,
+                      self.rows(beside, longest, longest - 1))
+        if "draft" in self.runner.models:  # each row's last token is its first proposal's to read
+            self.speculative.read(self.rows(rows, start + width + 1, start + width, draft_cached=start))
+
+    def decode(self, batch: int, longest: int) -> None:
+        """A decode step of `batch` rows at context `longest`: plain, or k proposals verified."""
+        k = self.config.num_speculative_tokens
+        if k == 0:
+            plain_forward(self.context, [], [], self.rows(batch, longest, longest - 1))
+            return
+        # The first draft step reads the bonus token and the token before it or, with adaptive
+        # speculation, what a draft behind after plain steps has not caught up on (further behind, its
+        # catch-up runs as prefill chunks, the shapes of the prefill steps).
+        behind = min(longest, CATCH_UP_AFTER if self.config.speculation == "adaptive" else 2)
+        self.speculative(self.rows(batch, longest, longest - 1, draft_cached=longest - behind), k, self.policy)
+
+
 @torch.inference_mode()
 def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | None = None,
                    batch: int | None = None) -> None:
     """The prefill steps that hold the most memory, the target's with as many rows decoding beside
-    them as may run (one forward where the runner fuses them), then a full speculative decode step
-    at the longest context.
-
-    Rows share one block table: keys and values land on the same scratch slots, which
-    costs nothing in activations and keeps the scratch cache small. `longest` and `batch`
-    shrink the step (for run_varied).
-    """
-    device, k = runner.device, config.num_speculative_tokens
-    table = list(range(profile_blocks(config)))
+    them as may run (one forward where the runner fuses them), then a full decode step at the
+    longest context: k draft steps then k + 1 verified positions at every row. `longest` and `batch`
+    shrink the step (for run_varied)."""
+    step = ProfileStep(runner, config)
     longest = longest or config.max_model_len
-
     for rows, width, start in prefill_shapes(runner, config, longest):
-        beside = min(batch or config.max_num_seqs, config.max_num_seqs - rows)
-        prefill_step(runner, rows, width, start, table, beside, longest)
-
-    # Decode: every sequence at the longest context, k draft steps then k+1 verified positions.
-    B = batch or config.max_num_seqs
-    rp = RowParams([WORST_PARAMS] * B, [None] * B, device)
-    start = longest - 1
-    if k == 0:
-        logits = runner.forward("target", [[1]] * B, [start] * B, [table] * B, 1)[:, 0]
-        draw(logits, rp)
-        return
-    # The first draft step reads the bonus token and the token before it or, with adaptive
-    # speculation, what a draft behind after plain steps has not caught up on (its catch-up runs as
-    # prefill chunks, shapes the prefill steps above cover).
-    behind = min(longest, CATCH_UP_AFTER if config.speculation == "adaptive" else 2)
-    draft_probs, drafts = [], []
-    for i in range(k):
-        rows_i = [[1] * behind] * B if i == 0 else [[1]] * B
-        first = start + 1 - behind if i == 0 else start + i
-        logits = runner.forward("draft", rows_i, [first] * B, [table] * B, 1)[:, 0]
-        q, d = propose(logits, rp)
-        draft_probs.append(q)
-        drafts.append(d)
-    logits = runner.forward("target", [[1] * (k + 1)] * B, [start] * B, [table] * B, k + 1)
-    verify_logits(torch.stack(drafts, 1), torch.stack(draft_probs, 1), logits, rp)
-
-
-def prefill_step(runner: ModelRunner, rows: int, width: int, start: int, table: list[int], beside: int = 0,
-                 longest: int = 0) -> None:
-    """A step's prefill: `rows` chunks of `width` tokens from `start` (the draft's too), and `beside`
-    rows decoding at position longest - 1 in the target's forward."""
-    decoding = [([[1]] * beside, [longest - 1] * beside, [table] * beside, 1, False)] if beside else []
-    runner.forward_parts("target", [([[1] * width] * rows, [start] * rows, [table] * rows, 1, True), *decoding])
-    if "draft" in runner.models:
-        runner.forward("draft", [[1] * width] * rows, [start] * rows, [table] * rows, 0, prefill=True)
+        step.prefill(rows, width, start, min(batch or config.max_num_seqs, config.max_num_seqs - rows), longest)
+    step.decode(batch or config.max_num_seqs, longest)
 
 
 @torch.inference_mode()
@@ -101,10 +116,10 @@ def run_prompt_alone(runner: ModelRunner, config: EngineConfig) -> None:
     Nothing to run where they are the other steps' threads."""
     if runner.prompt_threads is None:
         return
-    table = list(range(profile_blocks(config)))
+    step = ProfileStep(runner, config)
     with runner.prompt_alone():
         for rows, width, start in prefill_shapes(runner, config, config.max_model_len):
-            prefill_step(runner, rows, width, start, table)
+            step.prefill(rows, width, start)
 
 
 # This pass is most of the profile's time (3.9 of 5.3 s with the shipped pair on 2 idle cores), and it
