@@ -28,7 +28,7 @@ def _safetensors_mappings(directory: str) -> list[str]:
 
 def test_load_maps_no_file_and_grows_by_the_weights_alone(qwen2_shaped):
     cpu = CpuDevice()
-    load_config(qwen2_shaped)  # imports transformers' config code before the measurement
+    load_config(qwen2_shaped)  # reads the config (and imports what reading it needs) before the measurement
     cpu.empty_cache()
     before = cpu.process_bytes()
     model = load_model(qwen2_shaped, torch.float32, CPU)

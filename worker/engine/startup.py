@@ -57,7 +57,7 @@ def merged(phases: Iterable[StartupPhases]) -> dict[str, float]:
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """The cyclic garbage collector stays off inside, and every object alive at the end is frozen
-    (gc.freeze: later collections skip them). Importing torch and transformers makes half a million
+    (gc.freeze: later collections skip them). Importing torch (and transformers) made half a million
     objects that live as long as the process, and the collections they triggered (several full ones,
     each walking everything imported so far) took a sixth of the imports' time; one full collection
     after them still took a tenth. The few thousand objects in garbage cycles among them (no RSS one

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from vramledger.worker.http.request_models import ChatCompletionRequest
+    from vramledger.worker.models.tokenizer import CheckpointTokenizer
 
 SHORT_CHARS = 1 << 12  # a prompt (or a conversation's texts) this long at most takes the short lane
 MARKUP_CHARS = 64  # what a chat template may add per message, counted toward the lane
@@ -47,7 +48,7 @@ class PromptEncoder:
     def __init__(self) -> None:
         self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-short")
         self._long = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long")
-        self.tokenizer: PreTrainedTokenizerBase | None = None  # set once loaded
+        self.tokenizer: CheckpointTokenizer | PreTrainedTokenizerBase | None = None  # set once loaded
         self.vocab_size = 0
         self.bound: PromptBound | None = None  # None: the tokenizer may drop text, no bound from length
         # Held from parsing a request's body to its token ids: small bodies never wait for large ones.

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from vramledger.worker.models.llama import CausalLM
+from vramledger.worker.models.model_config import plain_config, read_config
+from vramledger.worker.models.tokenizer import direct_tokenizer, generic_config
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -28,13 +30,18 @@ def checkpoint_dir(path: str) -> Path:
 
 
 def load_config(path: str):
-    from transformers import AutoConfig
-
+    """The checkpoint's config: its plain fields where they are all the models need (model_config.py),
+    else transformers' config class."""
     directory = checkpoint_dir(path)
-    arch = (json.loads((directory / "config.json").read_text()).get("architectures") or ["?"])[0]
+    arch = (read_config(directory).get("architectures") or ["?"])[0]
     if arch not in SUPPORTED:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED)}")
+    plain = plain_config(directory)
+    if plain is not None:
+        return plain
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(directory, local_files_only=True)
 
 
@@ -174,20 +181,28 @@ def same_tokenizer_files(path: str, other: str) -> bool:
 
 
 def import_model_libraries(path: str) -> None:
-    """Import what loading the tokenizer and the config of the checkpoint at `path` needs: transformers
-    loads its parts on first use (a model's config class alone pulled in 1-2 s of modules), so that
-    start-up times the imports apart from the loads. Reading the config fails early on a bad path."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """Import what loading the tokenizer and the config of the checkpoint at `path` needs, so that
+    start-up times the imports apart from the loads: the tokenizers library and jinja2 where the
+    checkpoint's tokenizer loads without transformers (tokenizer.py, imported above), else
+    transformers, which loads its parts on first use (a model's config class alone pulled in 1-2 s of
+    modules). Reading the config fails early on a bad path."""
+    if generic_config(checkpoint_dir(path)) is None:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    del AutoTokenizer, PreTrainedTokenizerFast
+        del AutoTokenizer, PreTrainedTokenizerFast
     load_config(path)
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    checkpoint_dir(path)
+    """The checkpoint's tokenizer: with the tokenizers library alone where transformers would build the
+    same one (tokenizer.py), else transformers' AutoTokenizer."""
+    directory = checkpoint_dir(path)
     try:
+        direct = direct_tokenizer(directory)
+        if direct is not None:
+            return direct
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot load the tokenizer: {exc}") from exc
