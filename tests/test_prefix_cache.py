@@ -129,6 +129,25 @@ def test_a_reusing_request_starts_its_draft_where_the_draft_wrote():
     assert late.num_cached == late.num_draft_cached == 12
 
 
+def test_the_drafts_backlog_counts_shared_blocks_once_and_skips_what_a_draft_wrote():
+    """The tokens a catch-up would have a dormant draft read, as the policy weighs a probe."""
+    blocks = BlockManager(num_blocks=32, block_size=BS)
+    first = seq("first", range(14))  # 3 full blocks and 2 tokens
+    blocks.admit(first, [])
+    first.num_cached = 14  # prefilled; its draft read nothing
+    blocks.commit(first)
+    second = seq("second", list(range(12)) + [50, 51, 52])  # takes first's 3 full blocks
+    blocks.admit(second, blocks.cached_prefix(second))
+    second.num_cached = 15
+    # Each reads up to its last token: first 13 tokens, second 12 shared ones (counted once) and 2 more.
+    assert blocks.draft_backlog([first], 0) == 13
+    assert blocks.draft_backlog([first, second], 0) == 13 + 2
+    assert blocks.draft_backlog([first, second], 13) == 14  # first lags 13: its first proposal reads them
+    first.num_draft_cached = 12  # first's draft caught up on the shared blocks, and they are marked
+    blocks.commit(first)
+    assert blocks.draft_backlog([first, second], 0) == 1 + 2
+
+
 def test_without_caching_nothing_is_shared_or_counted():
     blocks = BlockManager(num_blocks=8, block_size=BS, caching=False)
     a = seq("a", range(10))

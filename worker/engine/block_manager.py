@@ -150,6 +150,23 @@ class BlockManager:
             seq.num_drafted_blocks = max(seq.num_drafted_blocks, i)
         return seq.block_table[i]
 
+    def draft_backlog(self, seqs: list[Sequence], lag: int) -> int:
+        """Tokens the draft's catch-up would read for seqs (SpeculativeStep.catch_up): each row that
+        lags more than `lag` tokens, up to its last token, with blocks another draft wrote skipped and
+        blocks rows share read once."""
+        seen: set[int] = set()
+        tokens = 0
+        for s in seqs:
+            start, end = s.num_draft_cached, len(s) - 1
+            if end - start <= lag:
+                continue
+            for i in range(start // self.block_size, (end - 1) // self.block_size + 1):
+                block = s.block_table[i]
+                if block not in seen and not self._draft_written[block]:
+                    seen.add(block)
+                    tokens += min(end, (i + 1) * self.block_size) - max(start, i * self.block_size)
+        return tokens
+
     # -- one block --------------------------------------------------------------------------------
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:

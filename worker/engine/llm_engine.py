@@ -127,7 +127,8 @@ class LLMEngine:
         # A seeded sampled request draws its random numbers per proposal: it keeps one k (K) so its
         # text depends on the seed only, never on the load.
         seeded = any(s.params.seed is not None and not s.params.greedy for s in batch.decode)
-        k = self.speculation.start_step(len(batch.decode), pinned=seeded, with_prompts=bool(batch.prefill))
+        k = self.speculation.start_step(len(batch.decode), pinned=seeded, with_prompts=bool(batch.prefill),
+                                        backlog=lambda: self.speculative_step.backlog(batch.decode))
         generated = self.stats.generation_tokens
         if k == 0:
             # Chunks and decode rows in one forward: the step's time is not a plain step's cost.

@@ -14,11 +14,14 @@ leave the draft nothing to gain. A step that carries prompt chunks decodes plain
 chunks' forward almost free, where proposals would need forwards of their own.
 
 While plain steps win, the draft lies dormant: it reads no tokens, and only a step that proposes
-catches it up (the engine). Probes then cost that catch-up, so they grow rarer while plain keeps
-winning, and a dormant bucket skips them while its estimates leave proposals far behind plain.
+catches it up (the engine). Probes then cost that catch-up, every row's backlog: they grow rarer
+while plain keeps winning, and a dormant bucket's probe waits until the plain steps since its last
+one took 1/PROBE_SHARE times its catch-up's estimated time (four times that while its estimates leave
+proposals far behind plain), so probes cost a bounded share of the time wherever rows lag far.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,8 +38,10 @@ MIN_GAIN = 1.1  # a dormant draft wakes only when proposals promise this many ti
 # apart, at other context lengths) decides, and loses.
 STAY_GAIN = 1.03  # awake, proposals go on while they promise this much: stopping and waking again would
 # pay the catch-up
-PROBE_HOPE = 0.9  # a dormant bucket's probe runs only where proposals promise this much of plain's rate:
-# further behind, only acceptance could change the verdict (it is live), and each probe costs a catch-up
+PROBE_SHARE = 0.03  # a dormant bucket's probe reads every row's backlog: it waits until that reading is at
+# most this share of the time its plain steps took since its last probe
+PROBE_HOPE = 0.9  # where the estimates leave proposals below this much of plain's rate, the share is
+FAR_SHARE = PROBE_SHARE / 4  # this: only a change in acceptance (live) or in cost could wake the draft
 FIRST_SAMPLES = 3  # steps a bucket first measures at each end (K, plain) before it decides
 PLAIN_SAMPLE = 4  # plain steps timed: one in this many, once a bucket has its measure
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
@@ -159,21 +164,32 @@ class ProbeSchedule:
     """When a bucket next tries a k other than the best: every PROBE_EVERY steps while it
     proposes; while plain wins, PROBE_BACKOFF times longer after each probe, up to MAX_PROBE_EVERY
     steps. A dormant draft's probe first reads every token since the last one: only requests that
-    end before it is caught up save the draft its work, so the interval soon outgrows them."""
+    end before it is caught up save the draft its work, so the interval soon outgrows them, and a
+    probe whose catch-up would cost more than its share waits (defer)."""
 
     def __init__(self):
         self.step = self.count = 0  # decode steps and probes so far
+        self.last = 0  # the step of the latest probe
         self.next = self.interval = PROBE_EVERY
 
     def due(self, best: int) -> bool:
+        """Whether a probe is due at this step (counted); take() it where it runs."""
         self.step += 1
         if best and self.interval > PROBE_EVERY:  # awake again: probes are cheap once more
             self.next, self.interval = min(self.next, self.step + PROBE_EVERY), PROBE_EVERY
-        if self.step < self.next:
-            return False
+        return self.step >= self.next
+
+    def take(self, best: int) -> None:
         self.interval = min(PROBE_BACKOFF * self.interval, MAX_PROBE_EVERY) if best == 0 else PROBE_EVERY
-        self.next, self.count = self.step + self.interval, self.count + 1
-        return True
+        self.next, self.count, self.last = self.step + self.interval, self.count + 1, self.step
+
+    def since(self) -> int:
+        """Steps since the latest probe (or since the bucket's first)."""
+        return self.step - self.last
+
+    def defer(self, steps: int) -> None:
+        """The due probe waits until `steps` steps after the latest one."""
+        self.next = max(self.next, self.last + steps)
 
 
 class Speculation:
@@ -186,6 +202,8 @@ class Speculation:
         self.current = max_k  # the k chosen for the latest step, probes aside (a metric)
         self.clock = clock
         self._step: tuple[int, int, float | None] | None = None
+        self.backlog: Callable[[], int] | None = None  # the step's, from start_step
+        self._ended: float | None = None  # when the latest step ended, where it was timed
         self._uncounted = 0.0
 
     @property
@@ -193,9 +211,12 @@ class Speculation:
         """Whether the draft reads as it goes (the latest step proposed): dormant, it catches up later."""
         return self.current > 0
 
-    def start_step(self, batch_size: int, pinned: bool = False, with_prompts: bool = False) -> int:
+    def start_step(self, batch_size: int, pinned: bool = False, with_prompts: bool = False,
+                   backlog: Callable[[], int] | None = None) -> int:
         """The k of the decode step about to run (K when pinned; 0 beside prompt chunks where the policy
-        says so, the draft's state unchanged); its time runs until finish_step."""
+        says so, the draft's state unchanged); its time runs until finish_step. `backlog` counts the
+        tokens the draft would read before proposing for these rows (asked only for a dormant probe)."""
+        self.backlog = backlog
         if pinned:
             k = self.max_k
         elif with_prompts and self.plain_beside_prompts:
@@ -203,7 +224,10 @@ class Speculation:
         else:
             k = self.choose(batch_size)
         # A step timed None: its time is not read (a clock that counts CPU time costs a system call).
-        self._step, self._uncounted = (batch_size, k, self.clock() if self.timed(batch_size, k) else None), 0.0
+        started = self.clock() if self.timed(batch_size, k) else None
+        if started is not None and self._ended is not None:
+            self.observe_between(started - self._ended)
+        self._step, self._uncounted, self._ended = (batch_size, k, started), 0.0, None
         return k
 
     def timed(self, batch_size: int, k: int) -> bool:
@@ -244,9 +268,14 @@ class Speculation:
             raise RuntimeError("finish_step without start_step")
         batch_size, k, started = self._step
         if measured and started is not None:
-            self.observe(batch_size, k, self.clock() - started - self._uncounted, num_accepted)
+            self._ended = self.clock()
+            self.observe(batch_size, k, self._ended - started - self._uncounted, num_accepted)
+
+    def observe_between(self, seconds: float) -> None:
+        """The time from one timed step's end to the next one's start: the engine's work between steps."""
 
     def choose(self, batch_size: int) -> int:
+        """The k of a step no rule above fixed (start_step); `self.backlog` is the step's."""
         return self.max_k
 
     def observe(self, batch_size: int, k: int, seconds: float, num_accepted: list[int] | None) -> None:
@@ -264,6 +293,7 @@ class AdaptiveSpeculation(Speculation):
         self.costs = StepCosts()
         self.reading = Reading()
         self._waking: tuple[int, int] | None = None  # (bucket, k) of a probe that wakes the draft
+        self._between: deque[float] = deque(maxlen=COST_WINDOW)
         self._plain_steps = 0
         self._probes: dict[int, ProbeSchedule] = {}
 
@@ -281,20 +311,43 @@ class AdaptiveSpeculation(Speculation):
         if self.costs.count(b, 0) < (FIRST_SAMPLES if known_k else 1):
             return 0
         if not known_k:
-            return K if probes.due(0) else 0
-        rate = self._rates(b)
+            return self._probe(b, batch_size, probes, 0, [K], PROBE_SHARE) if probes.due(0) else 0
+        rate = self._rates(b, batch_size)
         best = self._best(rate)
-        # Each other k in turn, so no estimate goes stale; while dormant, not where proposals are far
-        # behind (but at the longest interval, whatever the estimates say).
-        if probes.due(best) and (self.awake or best or probes.interval >= MAX_PROBE_EVERY
-                                 or max(rate[k] for k in range(1, K + 1)) >= PROBE_HOPE * rate[0]):
-            others = [k for k in range(K + 1) if k != best]
-            k = others[probes.count % len(others)]
-            if not self.awake:  # the draft's weights and cache are cold: the next step measures it
-                self._waking = (b, k)
-            return k
+        if probes.due(best):  # each other k in turn, so no estimate goes stale
+            hopeful = max(rate[k] for k in range(1, K + 1)) >= PROBE_HOPE * rate[0]
+            k = self._probe(b, batch_size, probes, best, [k for k in range(K + 1) if k != best],
+                            PROBE_SHARE if hopeful else FAR_SHARE)
+            if k != best:
+                return k
         self.current = best
         return best
+
+    def _probe(self, b: int, batch_size: int, probes: ProbeSchedule, best: int, others: list[int],
+               share: float) -> int:
+        """The k of a due probe, or `best` while it waits: a dormant draft's probe first reads every row's
+        backlog, and runs only once the bucket's plain steps since its last probe took 1/share times
+        that reading's estimated time."""
+        if not self.awake:
+            needed = self._steps_paying_for(b, batch_size, share)
+            if probes.since() < needed:
+                probes.defer(needed)
+                return best
+        probes.take(best)
+        k = others[probes.count % len(others)]
+        if not self.awake:  # the draft's weights and cache are cold: the next step measures it
+            self._waking = (b, k)
+        return k
+
+    def _steps_paying_for(self, b: int, batch_size: int, share: float) -> int:
+        """Plain steps of this batch whose time, times `share`, is a catch-up of the rows' backlog (0
+        until the draft's reading cost is measured, or where no backlog is given); at most
+        MAX_PROBE_EVERY: rows that never end lag further every step, and costs may change."""
+        if self.backlog is None or not self.reading.read:
+            return 0
+        catch_up = self.backlog() * self.reading.seconds / self.reading.read
+        plain = max(self.costs.estimate(b, 0) * batch_size, 1e-12)
+        return min(MAX_PROBE_EVERY, math.ceil(catch_up / (share * plain)))
 
     def timed(self, batch_size: int, k: int) -> bool:
         """Every step that proposes; of plain steps, those a bucket has no measure of yet and one in
@@ -305,14 +358,16 @@ class AdaptiveSpeculation(Speculation):
         return self._plain_steps % PLAIN_SAMPLE == 0 or self.costs.count(bucket(batch_size), 0) < FIRST_SAMPLES \
             or self.costs.unmeasured == (bucket(batch_size), 0)
 
-    def _rates(self, b: int) -> dict[int, float]:
-        """Expected tokens per second per row for each k, the draft's prompt reading charged to proposals."""
+    def _rates(self, b: int, batch_size: int) -> dict[int, float]:
+        """Expected tokens per second per row for each k, the draft's prompt reading charged to proposals
+        and the engine's work between steps (scheduling, outputs; the least of the latest) to every step."""
         alpha, read = self.acceptance.rate or 0.0, self.reading.per_token()
         plain = self.costs.estimate(b, 0)
-        rate = {0: 1 / plain}
+        between = min(self._between) / batch_size if self._between else 0.0
+        rate = {0: 1 / (plain + between)}
         for k in range(1, self.max_k + 1):
             tokens = expected_tokens(alpha, k)
-            rate[k] = tokens / (plain * self.costs.relative(b, k) + tokens * read)
+            rate[k] = tokens / (plain * self.costs.relative(b, k) + between + tokens * read)
         return rate
 
     def _best(self, rate: dict[int, float]) -> int:
@@ -321,6 +376,9 @@ class AdaptiveSpeculation(Speculation):
 
     def observe_read(self, tokens: int, seconds: float) -> None:
         self.reading.observe_read(tokens, seconds)
+
+    def observe_between(self, seconds: float) -> None:
+        self._between.append(seconds)
 
     def observe_traffic(self, prompt_tokens: int, generated_tokens: int) -> None:
         self.reading.observe_traffic(prompt_tokens, generated_tokens)

@@ -42,6 +42,10 @@ class SpeculativeStep:
             while rows := self._behind_the_target(seqs):
                 read.append(self.read(rows))
 
+    def backlog(self, seqs: list[Sequence]) -> int:
+        """Tokens catch_up would read for seqs now (what the policy weighs before it probes)."""
+        return self.step.blocks.draft_backlog(seqs, CATCH_UP_AFTER)
+
     def read(self, rows: list[Sequence]) -> int:
         """One forward of the catch-up: each row's next chunk up to its last token. Returns the tokens read."""
         width = max(1, self.max_num_batched_tokens // len(rows))
