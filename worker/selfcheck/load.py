@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from vramledger.worker.selfcheck.workers import WorkerProcess
+from vramledger.worker.selfcheck.workers import WorkerProcess, read_ledger
 
 
 @dataclass
@@ -50,7 +50,8 @@ def fill_load(worker: WorkerProcess, num_requests: int, max_model_len: int, voca
         with httpx.Client(timeout=10, trust_env=False) as client:
             while not stop.is_set():
                 try:
-                    used = client.get(worker.url + "/v1/memory").json()["kv_cache"]["blocks_used"]
+                    ledger = read_ledger(worker.name, client.get(worker.url + "/v1/memory").json())
+                    used = ledger["kv_cache"]["blocks_used"]
                     peak["blocks"] = max(peak["blocks"], used)
                 except (httpx.HTTPError, ValueError, KeyError):
                     pass

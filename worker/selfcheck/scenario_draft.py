@@ -3,18 +3,19 @@ shrinks by the draft's weights plus the draft's share of every block; then the d
 load stays inside its budget. The draft's size comes from its checkpoint, not from the ledger."""
 from __future__ import annotations
 
+from vramledger.ledger_document import LedgerDocument
 from vramledger.units import format_bytes
 from vramledger.worker.selfcheck.checkpoints import kv_bytes_per_block
 from vramledger.worker.selfcheck.context import Context
 from vramledger.worker.selfcheck.report import Check, ScenarioResult
 from vramledger.worker.selfcheck.scenario_ledger import entry, peak_checks
-from vramledger.worker.selfcheck.workers import WorkerProcess
+from vramledger.worker.selfcheck.workers import WorkerProcess, needed
 
 TITLE = "the draft's memory is in the budget"
 TOLERANCE = 0.02
 
 
-def non_kv_bytes(ledger: dict) -> int:
+def non_kv_bytes(ledger: LedgerDocument) -> int:
     """Every entry but the KV cache and the draft's weights: what differs between the two runs in these
     is the draft's other costs (its activations, its loader, allocator and per-sequence state)."""
     return sum(e["bytes"] for e in ledger["entries"]
@@ -32,26 +33,26 @@ def run(ctx: Context, result: ScenarioResult) -> None:
     plain_flags = s.engine_flags(draft=False) + ["--kv-cache-memory", str(kv_plain)]
     with ctx.worker("s2-no-draft", plain_flags) as plain:
         base = plain.ledger()
-    budget = base["budget"]["bytes"]
-    share = budget / base["device"]["total_bytes"]
+    budget = needed(base["budget"]["bytes"], "budget.bytes")
+    share = budget / needed(base["device"]["total_bytes"], "device.total_bytes")
     ctx.say(f"scenario 2: with the draft, the same budget {format_bytes(budget)} "
             f"(--memory-utilization {share:.6g})")
     with ctx.worker("s2-draft", s.engine_flags(draft=True) + ["--memory-utilization", repr(share)]) as spec:
         check_draft_run(ctx, result, base, spec)
 
 
-def check_draft_run(ctx: Context, result: ScenarioResult, base: dict, spec: WorkerProcess) -> None:
-    s, budget = ctx.scale, base["budget"]["bytes"]
+def check_draft_run(ctx: Context, result: ScenarioResult, base: LedgerDocument, spec: WorkerProcess) -> None:
+    s, budget = ctx.scale, needed(base["budget"]["bytes"], "budget.bytes")
     mine = spec.ledger()
+    mine_budget = needed(mine["budget"]["bytes"], "budget.bytes")
 
     # What the draft should cost, from its checkpoint and config.
     draft_weights = s.weight_bytes(s.draft_model)
     target_block = kv_bytes_per_block(s.model, s.block_size, s.element_bytes)
     draft_block = kv_bytes_per_block(s.draft_model, s.block_size, s.element_bytes)
-    result.add(Check.compare("same budget", within(mine["budget"]["bytes"], budget, 0.001),
-                             format_bytes(mine["budget"]["bytes"]),
+    result.add(Check.compare("same budget", within(mine_budget, budget, 0.001), format_bytes(mine_budget),
                              f"{format_bytes(budget)} (the run without the draft)",
-                             budget_bytes=mine["budget"]["bytes"], expected_bytes=budget))
+                             budget_bytes=mine_budget, expected_bytes=budget))
     declared_weights = entry(mine, "weights", "draft")
     result.add(Check.compare("draft weights in the ledger", within(declared_weights, draft_weights),
                              format_bytes(declared_weights),
@@ -66,7 +67,7 @@ def check_draft_run(ctx: Context, result: ScenarioResult, base: dict, spec: Work
     # Same budget: the KV cache loses the draft's weights and its other measured costs, and what is
     # left is split into blocks that hold the draft's layers too.
     other = non_kv_bytes(mine) - non_kv_bytes(base)
-    left = entry(base, "kv_cache") + (mine["budget"]["bytes"] - budget) - draft_weights - other
+    left = entry(base, "kv_cache") + (mine_budget - budget) - draft_weights - other
     expected_blocks = left / (target_block + draft_block)
     blocks = mine["kv_cache"]["blocks_total"]
     result.add(Check.compare(

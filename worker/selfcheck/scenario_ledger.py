@@ -2,19 +2,20 @@
 process, at idle and at the peak of a load that fills the KV cache; the peak never above the budget."""
 from __future__ import annotations
 
+from vramledger.ledger_document import LedgerDocument
 from vramledger.units import format_bytes
 from vramledger.worker.selfcheck.context import Context
 from vramledger.worker.selfcheck.load import LoadResult, fill_load
 from vramledger.worker.selfcheck.report import Check, ScenarioResult
 from vramledger.worker.selfcheck.view import settle
-from vramledger.worker.selfcheck.workers import WorkerProcess
+from vramledger.worker.selfcheck.workers import WorkerProcess, needed
 
 TITLE = "ledger vs device"
 GAP = 0.05  # the device's view may differ from the ledger by this share of the declared total
 MIN_FILL = 0.95  # the load must have used this share of the KV blocks
 
 
-def entry(ledger: dict, component: str, model: str | None = None) -> int:
+def entry(ledger: LedgerDocument, component: str, model: str | None = None) -> int:
     return sum(e["bytes"] for e in ledger["entries"]
                if e["component"] == component and (model is None or e["model"] == model))
 
@@ -30,7 +31,7 @@ def gap_check(name: str, seen: int | None, expected: int, declared: int, what: s
                          expected_bytes=expected, declared_bytes=declared, gap=gap)
 
 
-def idle_check(ctx: Context, worker: WorkerProcess, ledger: dict, label: str = "") -> Check:
+def idle_check(ctx: Context, worker: WorkerProcess, ledger: LedgerDocument, label: str = "") -> Check:
     """At idle the process holds everything it declared except the transient activation peak."""
     declared, activation = ledger["declared_bytes"], entry(ledger, "activation_peak")
     seen = settle(ctx.view, worker.pid)
@@ -61,7 +62,7 @@ def budget_check(peak: int | None, budget: int, slack: float) -> Check:
                          budget_bytes=budget, over=over, slack=slack)
 
 
-def peak_checks(ctx: Context, worker: WorkerProcess, ledger: dict, result: ScenarioResult,
+def peak_checks(ctx: Context, worker: WorkerProcess, ledger: LedgerDocument, result: ScenarioResult,
                 gap: bool = True) -> LoadResult:
     """Run the fill load and add: the load filled the cache; the peak near the ledger; the peak <= budget."""
     s = ctx.scale
@@ -71,7 +72,7 @@ def peak_checks(ctx: Context, worker: WorkerProcess, ledger: dict, result: Scena
     finally:
         peak = watch.stop()
     result.add(fill_check(load))
-    declared, budget = ledger["declared_bytes"], ledger["budget"]["bytes"]
+    declared, budget = ledger["declared_bytes"], needed(ledger["budget"]["bytes"], "budget.bytes")
     if gap:
         result.add(gap_check("device view at peak", peak, declared, declared, "declared"))
     result.add(budget_check(peak, budget, ctx.scale.peak_slack))

@@ -14,7 +14,7 @@ from vramledger.worker.selfcheck.report import CannotRun, Check, ScenarioResult
 from vramledger.worker.selfcheck.scale import PAIR_SHARES
 from vramledger.worker.selfcheck.scenario_ledger import idle_check
 from vramledger.worker.selfcheck.view import settle
-from vramledger.worker.selfcheck.workers import WorkerProcess
+from vramledger.worker.selfcheck.workers import WorkerProcess, needed
 
 TITLE = "a neighbour's memory is foreign, two workers start at once"
 FOREIGN_TOLERANCE = 0.05
@@ -66,7 +66,8 @@ def run(ctx: Context, hood: Neighbourhood, result: ScenarioResult) -> None:
                              "both start (" + ", ".join(" ".join(hood.flags[n]) for n in names) + ")"))
     for worker in hood.workers:
         ledger = worker.ledger()
-        listed = {p["pid"]: p["bytes"] for p in ledger["foreign_at_start"]["processes"]}
+        foreign = needed(ledger.get("foreign_at_start"), "foreign_at_start")
+        listed = {p["pid"]: p["bytes"] for p in foreign["processes"]}
         seen = listed.get(hood.neighbour.pid)
         expected = hood.neighbour_bytes
         ok = (seen is not None and expected is not None
@@ -76,6 +77,6 @@ def run(ctx: Context, hood: Neighbourhood, result: ScenarioResult) -> None:
             "not listed" if seen is None else f"pid {hood.neighbour.pid}: {format_bytes(seen)}",
             f"pid {hood.neighbour.pid}: {format_bytes(expected)} ±{FOREIGN_TOLERANCE:.0%}",
             measured_bytes=seen, expected_bytes=expected,
-            foreign_at_start_bytes=ledger["foreign_at_start"]["bytes"]))
+            foreign_at_start_bytes=foreign["bytes"]))
         # A ledger charged with the neighbour or the other worker would sit far above the process.
         result.add(idle_check(ctx, worker, ledger, f" ({worker.name}: its own memory only)"))

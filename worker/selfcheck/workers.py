@@ -4,13 +4,17 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import httpx
 
+from vramledger.ledger_document import LedgerDocument
+from vramledger.ledger_reading import LedgerError, parse_ledger
 from vramledger.worker.selfcheck.processes import Processes, Started, free_port, wait_http
 
 # The children listen on loopback only, without the API key the user may have set for real servers.
 _DROPPED_ENV = ("VRAMLEDGER_API_KEY", "VRAMLEDGER_METRICS_AUTH")
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,14 +41,30 @@ class WorkerProcess:
         response.raise_for_status()
         return response.json()
 
-    def ledger(self) -> dict:
-        return self.get("/v1/memory")
+    def ledger(self) -> LedgerDocument:
+        """Its ledger, read as every reader does; a document the reader refuses raises LedgerError
+        naming the worker and the field."""
+        return read_ledger(self.name, self.get("/v1/memory"))
 
     def model_id(self) -> str:
         return self.get("/v1/models")["data"][0]["id"]
 
     def close(self) -> None:
         self._client.close()
+
+
+def read_ledger(name: str, document: object) -> LedgerDocument:
+    try:
+        return parse_ledger(document)
+    except LedgerError as e:
+        raise LedgerError(f"{name}'s GET /v1/memory is no ledger: {e}") from e
+
+
+def needed(value: T | None, what: str) -> T:
+    """A figure the ledger may leave null (or out) that a check cannot do without: a LedgerError if it does."""
+    if value is None:
+        raise LedgerError(f"the worker's ledger gives no {what}, which the check needs")
+    return value
 
 
 class Launcher:
