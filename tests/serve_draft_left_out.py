@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from vramledger.worker import cli
-from vramledger.worker.engine import llm_engine
+from vramledger.worker.engine import engine_parts
 from vramledger.worker.engine.memory_setup import plan_memory
 
 
@@ -27,5 +27,5 @@ def plan_memory_without_the_draft(runner, config, device, ledger, tokenizer=None
 
 
 if __name__ == "__main__":
-    llm_engine.plan_memory = plan_memory_without_the_draft
+    engine_parts.plan_memory = plan_memory_without_the_draft  # where the engine calls it
     sys.exit(cli.main(["serve", *sys.argv[1:]]))
