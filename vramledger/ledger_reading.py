@@ -1,6 +1,7 @@
 """The one reader of the ledger document: what arrives as JSON is checked against its definition
 (ledger_document.py) before anyone reads a field of it, so every reader (the exporter's worker and vLLM
-adapters, the worker's own /metrics) reads typed fields and none checks a field again.
+adapters, the worker's own /metrics, selfcheck's scenarios on workers) reads typed fields and none checks
+a field again.
 
 Each field given is checked against its type and bound (ledger_bounds.py: no negative or absurd figure,
 no pid the kernel never gives, no label with a newline); a field the definition does not name is
