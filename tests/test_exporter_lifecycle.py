@@ -60,8 +60,8 @@ def test_a_worker_restarted_under_a_running_exporter(spawn, tmp_path):  # noqa: 
     watch_states(port, url, "serving", seen)
     assert seen == ["serving", "unreachable", "loading", "serving"]
 
-    lines = [line.split(" exporter.engines: ", 1)[1] for line in log.read_text().splitlines()
-             if " exporter.engines: " in line]
+    lines = [line.split(" vramledger.exporter.engines: ", 1)[1] for line in log.read_text().splitlines()
+             if " vramledger.exporter.engines: " in line]
     assert len(lines) == 4, lines
     assert re.fullmatch(rf"vramledger {url}: serving \(\d+\.\d s after watching began\)", lines[0])
     assert lines[1].startswith(f"vramledger {url}: unreachable: {url}/v1/memory: ConnectionRefusedError")

@@ -95,8 +95,8 @@ def test_a_real_worker_starting_under_the_exporter_is_loading_then_serving(spawn
     proc.terminate()  # it drains (nothing in flight) and exits
     proc.wait(timeout=60)
     watch_states(exporter_port, url, "unreachable", seen)
-    lines = [line.split(" exporter.engines: ", 1)[1] for line in log.read_text().splitlines()
-             if " exporter.engines: " in line]
+    lines = [line.split(" vramledger.exporter.engines: ", 1)[1] for line in log.read_text().splitlines()
+             if " vramledger.exporter.engines: " in line]
     assert [line.split(": ")[1].split(" ")[0] for line in lines] == ["unreachable", "loading", "serving",
                                                                       "unreachable"], lines
     assert lines[1].endswith("/v1/memory: 503 model_loading")

@@ -255,7 +255,7 @@ def test_without_the_plugin_everything_is_as_before(spawn, tmp_path, caplog):  #
     api, *_, url = start_tree(spawn, gpu_text(), tmp_path)  # answers 404, as vLLM without the plugin
     client, errors = CountingClient(5), ErrorLog()
     engine = VllmEngine(url, client, errors, PortLocator(url, pid=api))
-    with caplog.at_level(logging.INFO, logger="exporter"):
+    with caplog.at_level(logging.INFO, logger="vramledger.exporter"):
         states = [engine.read() for _ in range(3)]
     assert all(s.ranks == () and s.declared_share == 0.9 for s in states)
     assert client.asked.count("vramledger/memory") == 1
