@@ -41,7 +41,7 @@ class EngineParts:
     config: EngineConfig
     device: Device
     startup: StartupPhases
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Any  # the checkpoint's (models/tokenizer.py) or transformers'
     ledger: Ledger
     runner: ModelRunner
     num_blocks: int

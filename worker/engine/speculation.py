@@ -40,8 +40,9 @@ STAY_GAIN = 1.03  # awake, proposals go on while they promise this much: stoppin
 # pay the catch-up
 PROBE_SHARE = 0.03  # a dormant bucket's probe reads every row's backlog: it waits until that reading is at
 # most this share of the time its plain steps took since its last probe
-PROBE_HOPE = 0.9  # where the estimates leave proposals below this much of plain's rate, the share is
-FAR_SHARE = PROBE_SHARE / 4  # this: only a change in acceptance (live) or in cost could wake the draft
+PROBE_HOPE = 0.9  # estimates that leave proposals below this much of plain's rate: far behind
+FAR_SHARE = PROBE_SHARE / 4  # the share where they are far behind: only a change in acceptance (live) or
+# in cost could wake the draft
 FIRST_SAMPLES = 3  # steps a bucket first measures at each end (K, plain) before it decides
 PLAIN_SAMPLE = 4  # plain steps timed: one in this many, once a bucket has its measure
 ACCEPTANCE_HALF_LIFE = 128  # proposals judged: older verdicts weigh half as much after this many
