@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from selfcheck_helpers import cpu_context
 
+from vramledger.ledger_reading import LedgerError
 from vramledger.worker.selfcheck import scenario_vllm
 from vramledger.worker.selfcheck.report import FAIL, PASS, CannotRun, ScenarioResult
 
@@ -27,7 +28,7 @@ STAND_IN_WEIGHTS = {"target": 8 * MiB, "draft": 2 * MiB}
 
 def checked(name: str) -> dict[str, str]:
     """Scenario 5's checks of a recorded ledger, the device's view of the rank being what NVML told it."""
-    doc = json.loads((DATA / f"vllm_ledger_cuda_{name}.json").read_text())
+    doc = scenario_vllm.server_ledger(json.loads((DATA / f"vllm_ledger_cuda_{name}.json").read_text()))
     rank = doc["ranks"][0]
     result = ScenarioResult(5, scenario_vllm.TITLE)
     kv = rank["kv_cache"]  # vLLM's num_gpu_blocks: the blocks it hands out and its null block
@@ -48,6 +49,13 @@ def test_a_draft_loaded_after_the_budget_fails():
     got = checked("draft_after_profile")
     assert got.pop("draft in the budget") == FAIL
     assert set(got.values()) == {PASS}, got
+
+
+def test_a_document_that_is_no_ledger_is_refused_naming_the_route_and_the_field():
+    doc = json.loads((DATA / "vllm_ledger_cuda_neighbour.json").read_text())
+    doc["ranks"][0]["kv_cache"]["bytes_per_block"] = -1
+    with pytest.raises(LedgerError, match=r"vLLM's GET /vramledger/memory is no ledger: .*bytes_per_block"):
+        scenario_vllm.server_ledger(doc)
 
 
 def test_on_the_cpu_it_is_skipped_saying_why(tmp_path):

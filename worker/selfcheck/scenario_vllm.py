@@ -14,6 +14,8 @@ import tempfile
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from vramledger.ledger_document import ServerDocument
+from vramledger.ledger_reading import LedgerError, parse_server_document
 from vramledger.units import MiB, format_bytes
 from vramledger.vllm_plugin.gate import PLUGIN_NAME, unsupported_reason
 from vramledger.worker.selfcheck.context import Context
@@ -129,12 +131,20 @@ def ready_timeout(s: Scale) -> float:
     return max(s.ready_timeout, 900.0)  # vLLM compiles and captures CUDA graphs before it serves
 
 
-def read_server(url: str) -> tuple[dict, int | None]:
-    """Its GET /vramledger/memory, and vLLM's own count of its KV cache's blocks."""
+def read_server(url: str) -> tuple[ServerDocument, int | None]:
+    """Its GET /vramledger/memory, read as every reader does, and vLLM's own count of its KV cache's blocks."""
     with httpx.Client(timeout=60, trust_env=False) as client:
         response = client.get(url + "/vramledger/memory")
         response.raise_for_status()
-        return response.json(), vllm_blocks(client.get(url + "/metrics").text)
+        return server_ledger(response.json()), vllm_blocks(client.get(url + "/metrics").text)
+
+
+def server_ledger(document: object) -> ServerDocument:
+    """The server's ledger, checked against its definition; a LedgerError naming the route and the field."""
+    try:
+        return parse_server_document(document)
+    except LedgerError as e:
+        raise LedgerError(f"vLLM's GET /vramledger/memory is no ledger: {e}") from e
 
 
 def visible_device(device: str) -> str:
@@ -153,7 +163,7 @@ def vllm_blocks(metrics: str) -> int | None:
     return None
 
 
-def check_ledger(result: ScenarioResult, doc: dict, blocks: int | None, seen: int | None,
+def check_ledger(result: ScenarioResult, doc: ServerDocument, blocks: int | None, seen: int | None,
                  expected_weights: dict[str, int], share: float) -> None:
     """The checks of one rank's ledger: against the checkpoints, vLLM's blocks, NVML's view of its process."""
     ranks = doc.get("ranks", [])

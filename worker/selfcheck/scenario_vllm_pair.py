@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Protocol
 
+from vramledger.ledger_document import ServerDocument
 from vramledger.units import format_bytes
 from vramledger.vllm_plugin.sizing import OWN_PROCESS, SETTING, VLLM
 from vramledger.worker.selfcheck import scenario_vllm
@@ -36,7 +37,7 @@ class Outcome:
     sizing: dict | None = None  # the rank's ledger's `sizing` (docs/ledger.md)
 
     @classmethod
-    def from_ledger(cls, share: float, doc: dict) -> Outcome:
+    def from_ledger(cls, share: float, doc: ServerDocument) -> Outcome:
         ranks = doc.get("ranks") or []
         errors = [e for r in ranks for e in r.get("errors", [])]
         if len(ranks) != 1 or errors:
