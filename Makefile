@@ -23,15 +23,20 @@ system-deps:
 run: setup system-deps
 	$(PY) scripts/local_stack.py $(if $(VLLM),--vllm $(VLLM))
 
+# Tests run in TEST_JOBS processes (pytest-xdist), one file at a time each: in one process the suite
+# kept about one of two cores busy, most tests waiting on a process they started.
+TEST_JOBS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+
 # The tests that run a real vLLM need its venv; when it cannot be built they are skipped and say why.
 test: setup system-deps lint
 	-$(MAKE) --no-print-directory vllm-venv
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 # The inner loop: the tests that start no worker, engine process or vLLM (tests/conftest.py marks
 # the others slow), a few minutes on 2 cores.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # The rules and the type checker's settings live in pyproject.toml.
 lint: setup
