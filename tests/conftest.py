@@ -7,15 +7,17 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-pytest.register_assert_rewrite("server_fixtures")  # before its import: its asserts report well
+pytest.register_assert_rewrite("server_fixtures", "vllm_scenarios")  # before their import: asserts report well
 
 from random_models import make_checkpoint  # noqa: E402
 
-pytest_plugins = ["server_fixtures"]  # the servers the HTTP tests share (spec_server, plain_server, ...)
+pytest_plugins = ["server_fixtures",  # the servers the HTTP tests share (spec_server, plain_server, ...)
+                  "vllm_scenarios"]  # vLLM's worker code on the faked device (cuda_path)
 
 # `make test-fast` runs what is not marked slow. A test is slow when it starts a worker, an engine
 # process or vLLM: through one of these fixtures, or by its module's `pytestmark = pytest.mark.slow`.
-PROCESS_FIXTURES = frozenset({"spec_server", "plain_server", "gated_worker", "spawn", "plugin_site"})
+PROCESS_FIXTURES = frozenset({"spec_server", "plain_server", "gated_worker", "spawn", "plugin_site",
+                              "cuda_path"})
 
 
 def pytest_collection_modifyitems(items):

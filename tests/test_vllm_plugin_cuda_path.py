@@ -4,8 +4,6 @@ loaded after vLLM sized its budget. Needs the vLLM venv; skipped, saying so, wit
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,34 +27,24 @@ TARGET_W, DRAFT_W, ACTIVATIONS, WORKSPACES, GRAPHS = 8 * MiB, 2 * MiB, 64 * MiB,
 NEIGHBOUR_GROWTH = 256 * MiB
 
 
-def start_scenario(scenario: str, tmp_path: Path, *args: str, sizing: str = "vllm") -> subprocess.Popen:
-    """tests/vllm_cuda_path.py SCENARIO ARGS in the vLLM venv, the plugin's sizing set to `sizing`."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-               VRAMLEDGER_VLLM_SIZING=sizing)
-    return subprocess.Popen([str(vllm_peer.vllm_python()), str(ROOT / "tests" / "vllm_cuda_path.py"), scenario,
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=tmp_path)
-
-
-def finish(proc: subprocess.Popen) -> dict:
-    """The scenario's result, with "log" (its stdout and stderr); it must have started."""
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-4000:]
-    return dict(json.loads(out.strip().splitlines()[-1]), log=out + err)
-
-
-def run_scenario(scenario: str, tmp_path: Path, *args: str, sizing: str = "vllm") -> dict:
-    return finish(start_scenario(scenario, tmp_path, *args, sizing=sizing))
+@pytest.fixture(scope="module", autouse=True)
+def started(cuda_path):
+    """Every run the module reads, started at once: they go side by side."""
+    for scenario, sizing in (("neighbour", "vllm"), ("draft_after_profile", "vllm"), ("neighbour", "own-process"),
+                             ("v2_runner", "vllm")):
+        cuda_path.start(scenario, sizing=sizing)
+    yield
+    cuda_path.stop_unread()
 
 
 @pytest.fixture(scope="module")
-def neighbour(tmp_path_factory):
-    return run_scenario("neighbour", tmp_path_factory.mktemp("neighbour"))
+def neighbour(cuda_path):
+    return cuda_path.result("neighbour")
 
 
 @pytest.fixture(scope="module")
-def draft_after_profile(tmp_path_factory):
-    return run_scenario("draft_after_profile", tmp_path_factory.mktemp("draft-after-profile"))
+def draft_after_profile(cuda_path):
+    return cuda_path.result("draft_after_profile")
 
 
 def entries(ledger: dict) -> dict:
@@ -112,8 +100,8 @@ def test_draft_loaded_after_vllm_sized_its_budget_is_outside_it(draft_after_prof
 
 
 @pytest.fixture(scope="module")
-def neighbour_own_process(tmp_path_factory):
-    return run_scenario("neighbour", tmp_path_factory.mktemp("neighbour-own"), sizing="own-process")
+def neighbour_own_process(cuda_path):
+    return cuda_path.result("neighbour", sizing="own-process")
 
 
 def test_the_recorded_ledgers_are_what_the_plugin_answers(neighbour, draft_after_profile, neighbour_own_process):
@@ -135,10 +123,10 @@ def test_the_plugins_ledgers_meet_the_shipped_schema(neighbour, draft_after_prof
         assert run["ledger"]["profile"] is not None  # the plugin-only parts, filled in
 
 
-def test_a_graph_capture_only_measuring_is_not_the_graphs_memory(tmp_path):
+def test_a_graph_capture_only_measuring_is_not_the_graphs_memory(cuda_path):
     # vLLM's V2 runner estimates its graphs' memory with capture_model(profile_only=True) and throws
     # them away; only the capture that keeps them is the cuda_graph entry.
-    run = run_scenario("v2_runner", tmp_path)
+    run = cuda_path.result("v2_runner")
     before, after = entries(run["ledger_before_capture"]), entries(run["ledger"])
     assert run["ledger"]["errors"] == []
     assert ("cuda_graph", "") not in before  # the estimate's capture ran, and was not noted

@@ -2,8 +2,9 @@
 in vLLM's venv by `make test` when that install is this checkout's, else into a folder of the test's
 own (tests/vllm_plugin_install.py); and the exporter reading it.
 
-Needs the vLLM venv (`make vllm-venv`); skipped, saying so, without it. Three vLLM starts: the plugin
-enabled with the shipped pair, installed but not enabled, and on a vLLM version it was not built for.
+Needs the vLLM venv (`make vllm-venv`); skipped, saying so, without it. Three vLLM starts, side by side:
+the plugin enabled with the shipped pair, installed but not enabled, and on a vLLM version it was not
+built for.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import signal
 import struct
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -49,29 +49,62 @@ def python_path(*entries: str) -> str | None:
     return os.pathsep.join(entries) or None  # None: no PYTHONPATH at all
 
 
-@contextmanager
-def running_vllm(tmp_path_factory, name: str, env: dict, **kwargs):
+class VllmServer:
     """vLLM's OpenAI server on the shipped target, uncompiled (-O0), 1 GiB of KV cache; its cwd is a
-    folder of its own, so no checkout's metadata on sys.path shadows the installed plugin."""
-    folder = tmp_path_factory.mktemp(name)
-    port, log = free_port(), folder / "vllm.log"
-    server = vllm_peer.start_vllm(TARGET, port, log, kv_cache_gib=1, max_model_len=256, extra=["-O0"],
-                                  env=env, cwd=folder, **kwargs)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", vllm_peer.STARTUP_TIMEOUT, server, log)
-        yield server, url, log
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)  # its own session: the engine core and workers go too
-        server.wait(timeout=30)
+    folder of its own, so no checkout's metadata on sys.path shadows the installed plugin. Started
+    here and waited for in ready(), so that several start side by side."""
+
+    def __init__(self, tmp_path_factory, name: str, env: dict, **kwargs):
+        folder = tmp_path_factory.mktemp(name)
+        port, self.log = free_port(), folder / "vllm.log"
+        self.process = vllm_peer.start_vllm(TARGET, port, self.log, kv_cache_gib=1, max_model_len=256,
+                                            extra=["-O0"], env=env, cwd=folder, **kwargs)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def ready(self) -> tuple[subprocess.Popen, str, Path]:
+        """(the server's process, its URL, its log) once it answers /health."""
+        wait_http(self.url + "/health", vllm_peer.STARTUP_TIMEOUT, self.process, self.log)
+        return self.process, self.url, self.log
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the engine core and workers go too
+        self.process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def with_plugin(tmp_path_factory, plugin_site):
     env = {"PYTHONPATH": python_path(*plugin_site), "VLLM_PLUGINS": "vramledger"}
-    with running_vllm(tmp_path_factory, "enabled", env, draft=DRAFT) as running:
-        yield running
+    server = VllmServer(tmp_path_factory, "enabled", env, draft=DRAFT)
+    try:
+        yield server.ready()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def servers_without_the_plugin_at_work(request, tmp_path_factory, plugin_site) -> dict[str, VllmServer]:
+    """The module's other vLLM servers that its selected tests use, started before its first test
+    (with_plugin's start too): a start is mostly one process at work at a time, so they overlap."""
+    envs = {"not_enabled": {"PYTHONPATH": python_path(*plugin_site), "VLLM_PLUGINS": None},
+            "unsupported": {"PYTHONPATH": python_path(str(FAKE_VERSION_DIR), *plugin_site),
+                            "VLLM_PLUGINS": "vramledger", "FAKE_VLLM_VERSION": "0.99.0"}}
+    wanted = {name for item in request.session.items if item.module is request.module
+              for name in item.fixturenames}
+    started = {name: VllmServer(tmp_path_factory, name, env) for name, env in envs.items() if name in wanted}
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def not_enabled(servers_without_the_plugin_at_work):
+    return servers_without_the_plugin_at_work["not_enabled"].ready()
+
+
+@pytest.fixture(scope="module")
+def unsupported(servers_without_the_plugin_at_work):
+    return servers_without_the_plugin_at_work["unsupported"].ready()
 
 
 def checkpoint_tensor_bytes(model_dir: Path) -> int:
@@ -227,21 +260,18 @@ def lines_saying(log: Path, pattern: str) -> list[str]:
             if re.search(pattern, line) and not line.startswith("INFO:")]
 
 
-def test_installed_but_not_enabled_vllm_serves_and_says_why(tmp_path_factory, plugin_site):
-    env = {"PYTHONPATH": python_path(*plugin_site), "VLLM_PLUGINS": None}
-    with running_vllm(tmp_path_factory, "not-enabled", env) as (_, url, log):
-        assert complete(url)
-        assert httpx.get(url + "/vramledger/memory").status_code == 404
-        [why] = lines_saying(log, r"vramledger")  # vLLM's own: endpoint plugins need VLLM_PLUGINS
-        assert "VLLM_PLUGINS is not set" in why
+def test_installed_but_not_enabled_vllm_serves_and_says_why(not_enabled):
+    _, url, log = not_enabled
+    assert complete(url)
+    assert httpx.get(url + "/vramledger/memory").status_code == 404
+    [why] = lines_saying(log, r"vramledger")  # vLLM's own: endpoint plugins need VLLM_PLUGINS
+    assert "VLLM_PLUGINS is not set" in why
 
 
-def test_unsupported_vllm_version_serves_and_says_why(tmp_path_factory, plugin_site):
-    env = {"PYTHONPATH": python_path(str(FAKE_VERSION_DIR), *plugin_site), "VLLM_PLUGINS": "vramledger",
-           "FAKE_VLLM_VERSION": "0.99.0"}
-    with running_vllm(tmp_path_factory, "unsupported", env) as (_, url, log):
-        assert httpx.get(url + "/version").json()["version"] == "0.99.0"  # the simulation took
-        assert complete(url)
-        assert httpx.get(url + "/vramledger/memory").status_code == 404
-        [why] = lines_saying(log, r"vramledger: ")
-        assert "vLLM 0.99.0 is not a version this plugin was built for" in why
+def test_unsupported_vllm_version_serves_and_says_why(unsupported):
+    _, url, log = unsupported
+    assert httpx.get(url + "/version").json()["version"] == "0.99.0"  # the simulation took
+    assert complete(url)
+    assert httpx.get(url + "/vramledger/memory").status_code == 404
+    [why] = lines_saying(log, r"vramledger: ")
+    assert "vLLM 0.99.0 is not a version this plugin was built for" in why

@@ -27,11 +27,11 @@ from test_rules import ALERT_RULES, PROM, RULE_FILES, _promtool
 from test_vllm_plugin_real import (  # noqa: F401
     DRAFT,
     TARGET,
+    VllmServer,
     cache_config_info,
     plugin_env,
     plugin_site,
     python_path,
-    running_vllm,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,14 +47,23 @@ SCRAPED = {"job": "vramledger-exporter", "instance": "exporter:9400"}
 UNACCOUNTED = "VramledgerUnaccountedMemoryHigh"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, plugin_site):  # noqa: F811
+@pytest.fixture(scope="module", autouse=True)
+def started(tmp_path_factory, plugin_site):  # noqa: F811
+    """Started before the module's first test, which needs no server: they overlap."""
     # Kept alive after its engine core dies (vLLM's API server exits within 5 s otherwise), so the
     # last test sees what the exporter makes of that window.
     env = {"PYTHONPATH": python_path(*plugin_site), "VLLM_PLUGINS": "vramledger",
            "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
-    with running_vllm(tmp_path_factory, "whole", env, draft=DRAFT) as running:
-        yield running
+    server = VllmServer(tmp_path_factory, "whole", env, draft=DRAFT)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    return started.ready()
 
 
 def test_vllm_imports_this_checkouts_plugin(plugin_site, tmp_path):  # noqa: F811

@@ -13,6 +13,7 @@ snapshot, request_memory, memory_profiling and the budget arithmetic), initializ
 compile_or_warm_up_model.
 Prints {"ledger": <the rank's ledger>, "device": <what FakeCuda saw>, "ledger_before_capture": <the
 ledger once the KV cache exists, before the graph capture>, ...} as JSON.
+The tests run it through tests/vllm_fork_server.py: the same, in a child forked once vLLM is imported.
 
 Scenarios (VRAMLEDGER_VLLM_SIZING in the environment picks the plugin's sizing):
 - "alone": nothing else moves on the device while vLLM starts;
@@ -318,12 +319,16 @@ def run(scenario: str, utilization: float = 0.5, peer: Peer | None = None) -> di
             "requested_memory": worker.requested_memory}
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--utilization", type=float, default=0.5)
     parser.add_argument("--peer", help="the directory a pair shares")
     parser.add_argument("--slot", type=int, choices=(0, 1), default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     peer = Peer(args.peer, args.slot) if args.peer else None
     print(json.dumps(run(args.scenario, args.utilization, peer)))  # the last line of stdout (vLLM logs there too)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -16,12 +16,15 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import plugin_wheel  # noqa: E402
 import vllm_peer  # noqa: E402
 
+_found: dict[Path, list[str]] = {}  # per vLLM interpreter, once a test session: the checkout stays as it is
+
 
 def plugin_path(python: Path, target: Path) -> list[str]:
-    """The PYTHONPATH entries that give vLLM this checkout's plugin: none when its venv has it installed."""
-    if vllm_peer.plugin_installed(python):
-        return []
-    return [str(install_plugin(python, target))]
+    """The PYTHONPATH entries that give vLLM this checkout's plugin: none when its venv has it installed.
+    The first call installs it where needed (into target); the later ones of the session use that install."""
+    if python not in _found:
+        _found[python] = [] if vllm_peer.plugin_installed(python) else [str(install_plugin(python, target))]
+    return _found[python]
 
 
 def install_plugin(python: Path, target: Path) -> Path:
