@@ -38,8 +38,9 @@ class DraftLeftOutLauncher(Launcher):
     command = (sys.executable, str(HERE / "serve_draft_left_out.py"))
 
 
-def cpu_context(workdir: Path, launcher: Launcher | None = None) -> Context:
-    """A selfcheck context on the CPU at the default scale, as `--device cpu` builds it."""
+def cpu_context(workdir: Path, launcher: Launcher | None = None, **lengths: int) -> Context:
+    """A selfcheck context on the CPU at the default scale, as `--device cpu` builds it; `lengths`
+    (max_model_len, max_num_seqs) as the flags of the same names set them."""
     view = DeviceView(get_device("cpu"))
-    scale = make_scale("cpu", "cpu", view.total_bytes(), 4)
+    scale = make_scale("cpu", "cpu", view.total_bytes(), 4, **lengths)
     return Context(view, scale, Processes(workdir), launcher=launcher or Launcher(), quiet=True)

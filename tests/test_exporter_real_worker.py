@@ -15,13 +15,19 @@ from vramledger.worker.selfcheck.processes import free_port, wait_http
 HERE = Path(__file__).parent
 
 
-@pytest.fixture
-def worker(spawn, checkpoints):  # noqa: F811
+def start_real_worker(start, checkpoints) -> tuple[subprocess.Popen, str]:
+    """Our worker on the small random target, with the test route, started by `start` (spawn, or
+    Popen's signature) and not yet waited for; its process and URL."""
     port = free_port()
-    proc = spawn([PY, str(HERE / "serve_with_hold_route.py"), "--model", checkpoints["llama"], "--no-draft",
+    proc = start([PY, str(HERE / "serve_with_hold_route.py"), "--model", checkpoints["llama"], "--no-draft",
                   "--max-model-len", "128", "--port", str(port)],
                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def worker(spawn, checkpoints):  # noqa: F811
+    proc, url = start_real_worker(spawn, checkpoints)
     wait_http(url + "/health", 180, proc)
     return proc, url
 

@@ -5,9 +5,12 @@ source in tests/engine_shapes.py). Each engine is given its own processes and no
 its kind declares, publishes its KV usage, and the exposition is docs/metrics.md's.
 
 Needs the vLLM venv (`make vllm-venv`); skipped, saying so, without it. One vLLM start for the module
-(test_vllm_plugin_real's fixture), one worker start.
+(test_vllm_plugin_real's fixture), one worker start beside it.
 """
 from __future__ import annotations
+
+import functools
+import subprocess
 
 import engine_shapes as shapes
 import fake_engines
@@ -16,14 +19,15 @@ import psutil
 import pytest
 from fake_engines import every_kind, kind_of, of_engine, owned
 from prometheus_client.parser import text_string_to_metric_families
-from test_exporter_host import spawn, start_exporter  # noqa: F401
+from test_exporter_host import ROOT, spawn, start_exporter  # noqa: F401
 from test_exporter_nvml import split_samples
-from test_exporter_real_worker import worker  # noqa: F401
+from test_exporter_real_worker import start_real_worker
 from test_metrics_catalogue import conforms
 from test_vllm_plugin_real import plugin_site, vllm_peer, with_plugin  # noqa: F401
 
 from vramledger.exporter.engines import llamacpp, ollama, sglang, tgi, triton, vllm, vramledger
 from vramledger.exporter.engines.registry import kinds
+from vramledger.worker.selfcheck.processes import wait_http
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(vllm_peer.vllm_python() is None,
@@ -44,9 +48,22 @@ def sglang_declared() -> int:
     return sum(round(usage[key] * sglang.GIB) for key in ("weight", "kvcache", "graph"))
 
 
-def test_one_exporter_watches_an_engine_of_every_kind(spawn, worker, with_plugin, tmp_path):  # noqa: F811
-    worker_proc, worker_url = worker
-    vllm_server, vllm_url, _ = with_plugin
+@pytest.fixture(scope="module")
+def engines(request, checkpoints):
+    """Our worker and vLLM with the plugin, started together: our worker loads and profiles while vLLM
+    starts, rather than after it (the two starts are the module's setup)."""
+    worker = start_real_worker(functools.partial(subprocess.Popen, cwd=ROOT), checkpoints)
+    try:
+        vllm_running = request.getfixturevalue("with_plugin")  # started and waited for
+        wait_http(worker[1] + "/health", 180, worker[0])
+        yield worker, vllm_running
+    finally:
+        worker[0].kill()
+        worker[0].wait(timeout=10)
+
+
+def test_one_exporter_watches_an_engine_of_every_kind(spawn, engines, tmp_path):  # noqa: F811
+    (worker_proc, worker_url), (vllm_server, vllm_url, _) = engines
     fakes = every_kind(spawn, tmp_path)
     flags = [arg for kind, fake in fakes for arg in (kind.flag, fake.url)]
     _, port = start_exporter(spawn, tmp_path / "exporter.log", "--backend", "host", "--worker", worker_url,

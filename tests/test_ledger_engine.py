@@ -1,14 +1,17 @@
 """The ledger as the engine builds it: every model counted, the KV cache sized from the rest."""
+import functools
 import gc
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import psutil
 import pytest
 import torch
 from random_models import make_checkpoint
+from run_together import selected_params, together
 
 from vramledger.worker.config import EngineConfig
 from vramledger.worker.engine.llm_engine import LLMEngine
@@ -22,7 +25,7 @@ from vramledger.worker.models.packed_linear import ROW_BUCKETS
 
 pytestmark = pytest.mark.slow  # it starts processes (`make test-fast` leaves it out)
 
-GiB = 1 << 30
+MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +37,24 @@ def wide_pair(tmp_path_factory):
             str(make_checkpoint(root / "d", "llama", layers=2, seed=1, **kw)))
 
 
-def build(target, draft, utilization):
-    return LLMEngine(EngineConfig(model=target, draft_model=draft, max_model_len=512, max_num_seqs=512,
+# The budget beyond what the process holds as an engine starts: under the 128 MiB of target KV that 64
+# sequences of 512 tokens could fill, so the budget, not the sequences, bounds the cache (plain decoding
+# gathers nothing since the paged attention kernel); well over the 30 MiB the rest takes with the draft.
+ROOM = 96 * MiB
+
+
+def build(target, draft):
+    # From each engine's own start: the first leaves freed heap behind in this process.
+    utilization = (psutil.Process().memory_info().rss + ROOM) / psutil.virtual_memory().total
+    return LLMEngine(EngineConfig(model=target, draft_model=draft, max_model_len=512, max_num_seqs=64,
                                   memory_utilization=utilization))
 
 
 def test_draft_weights_are_their_own_entry_and_leave_the_kv_budget(wide_pair):
     target, draft = wide_pair
-    total = psutil.virtual_memory().total
-    # Under the 1 GiB of target KV that 512 sequences of 512 tokens could fill: the budget, not the
-    # sequences, bounds the cache (plain decoding gathers nothing since the paged attention kernel).
-    utilization = (psutil.Process().memory_info().rss + 0.9 * GiB) / total
     plans = {}
     for name, d in (("without", None), ("with", draft)):
-        engine = build(target, d, utilization)
+        engine = build(target, d)
         ledger = engine.ledger
         plans[name] = dict(non_kv=ledger.non_kv_bytes, budget=ledger.budget_bytes, blocks=engine.num_blocks,
                            per_block=engine.runner.bytes_per_block(),
@@ -80,14 +87,16 @@ def profile(*flags, checkpoints):
 
 
 def test_profile_prints_table_json_and_plot(checkpoints, tmp_path):
-    table = profile("--plot", str(tmp_path / "ledger.png"), checkpoints=checkpoints)
+    with together({"table": functools.partial(profile, "--plot", str(tmp_path / "ledger.png"), checkpoints=checkpoints),
+                   "json": functools.partial(profile, "--json", "--max-num-seqs", "256", checkpoints=checkpoints),
+                   }) as runs:
+        table, doc = runs["table"].result(), json.loads(runs["json"].result().stdout)
     assert table.returncode == 0, table.stderr
     for needle in ("runtime", "weights", "target", "draft", "activation_peak", "non_torch", "allocator",
                    "sequence_state", "server", "kv_cache",
                    "KV capacity", "maximum concurrency"):
         assert needle in table.stdout
     assert (tmp_path / "ledger.png").stat().st_size > 1000
-    doc = json.loads(profile("--json", "--max-num-seqs", "256", checkpoints=checkpoints).stdout)
     # Host state of 256 requests of 256 tokens (ids, text, block table, generator) is real memory on
     # the CPU. Measured as the process's growth, so only a fresh process shows all of it: in a long
     # test process, freed memory that is still resident takes some of it.
@@ -101,13 +110,21 @@ def test_profile_prints_table_json_and_plot(checkpoints, tmp_path):
         assert kernels > len(ROW_BUCKETS) * 256 * 1024
 
 
+@pytest.fixture(scope="module")
+def impossible(request, checkpoints) -> Iterator[dict]:
+    """The profile of every impossible setting this session tests, all started with the first (run_together.py)."""
+    flag_sets = {tuple(params["flags"]) for params in selected_params(request) if "flags" in params}
+    with together({flags: functools.partial(profile, *flags, checkpoints=checkpoints) for flags in flag_sets}) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--memory-utilization", "0.001"], "below the .* the worker holds before any KV cache.*--memory-utilization"),
     (["--kv-cache-memory", "64KiB"], "cannot hold one sequence of --max-model-len 256.*largest --max-model-len that fits is"),
     (["--memory-utilization", "1.0"], "Free memory on cpu.*less than --memory-utilization 1.*pid"),
 ])
-def test_impossible_settings_exit_with_the_setting_to_change(checkpoints, flags, message):
-    result = profile(*flags, checkpoints=checkpoints)
+def test_impossible_settings_exit_with_the_setting_to_change(impossible, flags, message):
+    result = impossible[tuple(flags)].result()
     assert result.returncode != 0
     assert re.search(message, result.stderr, re.DOTALL), result.stderr
 
@@ -140,7 +157,8 @@ def test_budget_that_only_the_new_entries_push_over_fails_naming_the_setting(che
     from vramledger.worker.engine.memory_setup import plan_memory
     from vramledger.worker.memory.plan import MemoryPlanError
 
-    config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"],
+    # No draft: the state of 2048 requests is the same with one, and the profile runs a third as long.
+    config = EngineConfig(model=checkpoints["llama"], draft_model=None,
                           max_model_len=256, max_num_seqs=2048, kv_cache_memory=8 << 20)
     engine = LLMEngine(config)
     ledger = engine.ledger
@@ -166,9 +184,15 @@ def entry(doc: dict, component: str) -> int:
     return next(e["bytes"] for e in doc["entries"] if e["component"] == component)
 
 
-def test_server_entry_holds_every_request_admission_lets_in(checkpoints):
+@pytest.fixture(scope="module")
+def few(checkpoints) -> dict:
+    """The ledger with one request waiting and the default bodies being received: what the server-entry
+    tests compare against. One profile process for the three, as it is the same run in each."""
+    return json.loads(profile("--json", "--max-waiting", "1", checkpoints=checkpoints).stdout)
+
+
+def test_server_entry_holds_every_request_admission_lets_in(checkpoints, few):
     """`profile` declares what `serve` holds for max_num_seqs + --max-waiting requests in flight."""
-    few = json.loads(profile("--json", "--max-waiting", "1", checkpoints=checkpoints).stdout)
     many = json.loads(profile("--json", "--max-waiting", "2048", checkpoints=checkpoints).stdout)
     # 2031 more requests of 256 tokens (body, collected completion, engine state while queued).
     assert entry(many, "server") - entry(few, "server") > 2031 * 8 * 1024
@@ -177,12 +201,13 @@ def test_server_entry_holds_every_request_admission_lets_in(checkpoints):
         assert doc["declared_bytes"] == doc["budget"]["bytes"] == sum(e["bytes"] for e in doc["entries"])
 
 
-def test_server_entry_holds_the_bodies_being_received(checkpoints):
+def test_server_entry_holds_the_bodies_being_received(checkpoints, few):
     """Each body the server reads before parsing (--max-receiving-bodies of them) may be at the body limit."""
-    one = json.loads(profile("--json", "--max-receiving-bodies", "1", checkpoints=checkpoints).stdout)
-    many = json.loads(profile("--json", "--max-receiving-bodies", "513", checkpoints=checkpoints).stdout)
-    limit = body_limit(PromptBound.of(load_tokenizer(checkpoints["llama"])), 256, ServerSettings().max_body_bytes)
-    assert entry(many, "server") - entry(one, "server") > 0.8 * 512 * limit
+    settings = ServerSettings(max_waiting=1)  # few's
+    many = json.loads(profile("--json", "--max-waiting", "1", "--max-receiving-bodies",
+                              str(settings.max_receiving_bodies + 512), checkpoints=checkpoints).stdout)
+    limit = body_limit(PromptBound.of(load_tokenizer(checkpoints["llama"])), 256, settings.max_body_bytes)
+    assert entry(many, "server") - entry(few, "server") > 0.8 * 512 * limit  # 512 bodies more than `few`
 
 
 def test_engine_alone_declares_no_server(checkpoints):
@@ -191,8 +216,7 @@ def test_engine_alone_declares_no_server(checkpoints):
     assert "server" in [e.component for e in engine.ledger.entries]
 
 
-def test_budget_that_only_the_requests_in_flight_push_over_fails_naming_the_setting(checkpoints):
-    few = json.loads(profile("--json", "--max-waiting", "1", checkpoints=checkpoints).stdout)
+def test_budget_that_only_the_requests_in_flight_push_over_fails_naming_the_setting(checkpoints, few):
     non_kv = few["declared_bytes"] - entry(few, "kv_cache")
     # Room for everything but what 4096 queued requests hold (about 150 MiB on this pair).
     utilization = (non_kv + (64 << 20)) / few["device"]["total_bytes"]

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from vramledger.worker.kernels import native
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory) -> tuple[Path, list[Path]]:
+    """Every kernel built for both instruction sets, as an image ships them: once for the module, since
+    these compiles are most of its time and two tests read the same libraries."""
+    if not shutil.which("cc") or native.isa() is None:
+        pytest.skip("no C compiler, or not an x86 CPU with AVX2")
+    into = tmp_path_factory.mktemp("prebuilt")
+    return into, native.build_all(into)
 
 
 @pytest.fixture
@@ -54,13 +65,13 @@ def test_a_changed_header_beside_the_source_gets_a_library_of_its_own(tmp_path):
     assert native.build(source, into=tmp_path / "cache") != one
 
 
-def test_every_kernel_also_builds_for_the_instruction_set_this_cpu_does_not_use(tmp_path):
+def test_every_kernel_also_builds_for_the_instruction_set_this_cpu_does_not_use(prebuilt):
     """The tests run each kernel as built for this CPU; the other build must not rot unseen."""
-    if not shutil.which("cc") or native.isa() is None:
-        pytest.skip("no C compiler, or not an x86 CPU with AVX2")
+    into, built = prebuilt
     other = next(name for name in native.ISA_FLAGS if name != native.isa())
     for source in sorted(native.HERE.glob("*.c")):
-        assert native.build(source, into=tmp_path, target_isa=other).exists()
+        library = into / native.library_name(source, other)
+        assert library in built and library.stat().st_size > 0
 
 
 def test_without_a_compiler_torch_ops_run_and_the_log_says_why(monkeypatch, tmp_path, caplog, fresh_loads):
@@ -80,13 +91,12 @@ def test_without_avx512_or_avx2_nothing_is_built(monkeypatch, fresh_loads):
     assert native.function("blocked_linear", "blocked_linear") is None
 
 
-def test_prebuilt_kernels_load_where_no_compiler_runs(monkeypatch, tmp_path, fresh_loads):
+def test_prebuilt_kernels_load_where_no_compiler_runs(monkeypatch, tmp_path, fresh_loads, prebuilt):
     """An image ships every kernel built for both instruction sets; at run time nothing compiles."""
-    if not shutil.which("cc") or native.isa() is None:
-        pytest.skip("no C compiler, or not an x86 CPU with AVX2")
-    built = native.build_all(tmp_path / "prebuilt")
-    assert len(built) == len(list(native.HERE.glob("*.c"))) * len(native.ISA_FLAGS)
-    monkeypatch.setenv(native.PREBUILT_ENV, str(tmp_path / "prebuilt"))
+    into, built = prebuilt
+    assert len(set(built)) == len(list(native.HERE.glob("*.c"))) * len(native.ISA_FLAGS)
+    assert all(library.parent == into and library.is_file() for library in built)
+    monkeypatch.setenv(native.PREBUILT_ENV, str(into))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "build", lambda *a, **k: pytest.fail("compiled although a prebuilt library exists"))
     assert native.load("blocked_linear") is not None
