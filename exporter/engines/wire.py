@@ -139,7 +139,7 @@ class _Receiver:
 
     def header_lines(self) -> list[bytes]:
         """The lines of a header block, without the blank line that ends it (or the connection's end)."""
-        lines = []
+        lines: list[bytes] = []
         while True:
             line = self.line()
             if len(line) > MAX_LINE:
