@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from vramledger.exporter.procfs import children_files, descendants
 from vramledger.procfs import read_start
 
 
@@ -106,14 +107,21 @@ def _create_time(pid: int) -> float:
     return float("inf") if started is None else started
 
 
+CHILDREN_FILES = children_files()
+
+
 def process_tree(pid: int) -> frozenset[int]:
-    """pid and all of its descendants (an API server's engine-core and worker children)."""
+    """pid and all of its descendants (an API server's engine-core and worker children): from the
+    kernel's children files where it has them (a few reads per tree), else through psutil (a read of
+    every process on the host, per tree)."""
     try:
+        if CHILDREN_FILES:
+            return descendants(pid)
         root = psutil.Process(pid)
         return frozenset([pid, *(child.pid for child in root.children(recursive=True))])
     except psutil.NoSuchProcess:
         return frozenset()
-    except psutil.AccessDenied:
+    except (psutil.AccessDenied, PermissionError):
         return frozenset([pid])
 
 

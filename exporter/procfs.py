@@ -18,15 +18,78 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vramledger.procfs import read_pss, read_rss, read_start
+from vramledger.procfs import PAGE, _read_small, read_pss, read_rss, read_start
 
-__all__ = ["ProportionalSizes", "pids", "read_pss", "read_rss", "read_start"]
+__all__ = ["ProportionalSizes", "children_files", "descendants", "pids", "read_pss", "read_rss", "read_start",
+           "read_start_rss"]
 
 
 def pids(proc_root: str | Path = "/proc") -> Iterator[int]:
     """Every process this pid namespace shows."""
     with os.scandir(proc_root) as entries:
         yield from (int(e.name) for e in entries if e.name.isdigit())
+
+
+def read_start_rss(pid: int) -> tuple[int, int] | None:
+    """(read_start(), read_rss()) of a process in one read of its stat (fields 22 and 24: its RSS there is
+    statm's, the same counters summed), for a process known to be listed; None when it is gone."""
+    try:
+        text = _read_small(f"/proc/{pid}/stat")
+        fields = text[text.rindex(b")") + 2:].split()  # after "pid (comm)", from field 3
+        return int(fields[19]), int(fields[21]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def children_files(proc_root: str | Path = "/proc") -> bool:
+    """Whether the kernel lists each thread's children (/proc/<pid>/task/<tid>/children, CONFIG_PROC_CHILDREN)."""
+    return os.path.exists(f"{proc_root}/{os.getpid()}/task/{os.getpid()}/children")
+
+
+def _children(pid: int, proc_root: str | Path) -> list[int]:
+    """The processes whose parent is pid: each of its threads lists those it started. Raises
+    PermissionError where /proc hides them."""
+    try:
+        tasks = os.listdir(f"{proc_root}/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+        return []
+    found: list[int] = []
+    for tid in tasks:
+        try:
+            fd = os.open(f"{proc_root}/{pid}/task/{tid}/children", os.O_RDONLY)
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+        try:
+            text = b"".join(iter(lambda: os.read(fd, 65536), b""))
+        except ProcessLookupError:
+            continue
+        finally:
+            os.close(fd)
+        found.extend(int(child) for child in text.split())
+    return found
+
+
+def descendants(pid: int, proc_root: str | Path = "/proc") -> frozenset[int]:
+    """pid and every process below it, read from the children files (children_files()): the tree's
+    own processes, where scanning every process's parent costs a read of each process on the host.
+
+    As psutil's children(recursive=True): a process that started before pid is a reused pid, not a
+    descendant, and neither is anything below it. frozenset() where pid is gone; raises PermissionError
+    where /proc hides its children.
+    """
+    root_start = read_start(pid, proc_root)
+    if root_start is None:
+        return frozenset()
+    tree, stack = {pid}, [pid]
+    while stack:
+        for child in _children(stack.pop(), proc_root):
+            if child in tree:
+                continue
+            start = read_start(child, proc_root)
+            if start is not None and start >= root_start:
+                tree.add(child)
+                stack.append(child)
+    return frozenset(tree)
 
 
 @dataclass(frozen=True)

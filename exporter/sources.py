@@ -11,7 +11,7 @@ import psutil
 
 from vramledger import nvml_devices
 from vramledger.exporter.errors import ErrorLog
-from vramledger.exporter.procfs import ProportionalSizes, pids, read_rss, read_start
+from vramledger.exporter.procfs import ProportionalSizes, pids, read_rss, read_start, read_start_rss
 from vramledger.processes import ProcessMemory
 from vramledger.units import MiB
 
@@ -174,10 +174,16 @@ class HostSource:
         vm = psutil.virtual_memory()
         found: dict[int, tuple[int, int]] = {}  # pid -> (start, RSS)
         for pid in pids():
-            rss = read_rss(pid)  # None when the process exited meanwhile
+            if pid == self._own_pid:
+                continue
+            if pid in keep_pids:  # listed whatever its size: its start and RSS in one read
+                known = read_start_rss(pid)  # None when the process exited meanwhile
+                if known is not None:
+                    found[pid] = known
+                continue
+            rss = read_rss(pid)
             # RSS bounds PSS: a process below the threshold by RSS is below it by PSS too.
-            small = rss is not None and rss < self._min_process_bytes and pid not in keep_pids
-            if rss is None or small or pid == self._own_pid:
+            if rss is None or rss < self._min_process_bytes:
                 continue
             start = read_start(pid)
             if start is not None:

@@ -42,7 +42,7 @@ NEEDED: dict[type, tuple[str, ...]] = {
 }
 RANK_NEEDED = ("rank", "entries")  # a server's ranks are told apart by their number, declare by their entries
 
-Check = Callable[[object, str], None]  # raises LedgerError for a value at a place of the document
+Check = Callable[[object], None]  # raises _Fault for a wrong value
 
 
 class LedgerError(ValueError):
@@ -53,15 +53,36 @@ class BeyondBounds(LedgerError, OutOfBounds):
     """A ledger saying what no engine could truthfully say: not a malformed document but a false one."""
 
 
+class _Fault(Exception):
+    """A wrong value: its error is made once it has passed up through the objects and lists around it, so
+    that a place in the document is spelt only where a value is wrong, not for every value read."""
+
+    def __init__(self, error: Callable[[str], LedgerError]):
+        super().__init__()
+        self.error = error  # the error, given the value's place
+        self.path: list[str | int] = []  # the keys and indices leading to it, innermost first
+
+
+def _check(hint: Any, document: object) -> None:
+    """Raises the LedgerError of the first wrong value of the document."""
+    try:
+        _checker(hint)(document)
+    except _Fault as fault:
+        where = ""
+        for step in reversed(fault.path):
+            where = f"{where}[{step}]" if isinstance(step, int) else _at(where, step)
+        raise fault.error(where) from None
+
+
 def parse_ledger(document: object) -> LedgerDocument:
     """One process's ledger (a worker's GET /v1/memory, or one rank's), checked; raises LedgerError."""
-    _checker(LedgerDocument)(document, "")
+    _check(LedgerDocument, document)
     return cast(LedgerDocument, document)
 
 
 def parse_server_document(document: object) -> ServerDocument:
     """A vLLM server's GET /vramledger/memory, every rank's ledger in it checked; raises LedgerError."""
-    _checker(ServerDocument)(document, "")
+    _check(ServerDocument, document)
     doc = cast(ServerDocument, document)
     for i, rank in enumerate(doc["ranks"]):
         for key in RANK_NEEDED:
@@ -87,18 +108,18 @@ def _checker(hint: Any) -> Check:
 
 
 def _bounded(check: Check, bounds: list[Bound]) -> Check:
-    def bounded(value: object, where: str) -> None:
+    def bounded(value: object) -> None:
         for bound in bounds:  # first: a text no label could hold is false, whatever it should name
             if not bound.holds(value):
-                raise BeyondBounds(f"{where} {shown(value)} is not {bound}")
-        check(value, where)
+                raise _Fault(lambda where: BeyondBounds(f"{where} {shown(value)} is not {bound}"))
+        check(value)
     return bounded
 
 
 def _nullable(check: Check) -> Check:
-    def nullable(value: object, where: str) -> None:
+    def nullable(value: object) -> None:
         if value is not None:
-            check(value, where)  # the one type it may have: its own error says what is wrong inside it
+            check(value)  # the one type it may have: its own error says what is wrong inside it
     return nullable
 
 
@@ -106,31 +127,39 @@ def _object(typed_dict: type) -> Check:
     fields = [(key, _checker(field)) for key, field in _fields(typed_dict).items()]
     needed = NEEDED.get(typed_dict, ())
 
-    def checked(value: object, where: str) -> None:
+    def checked(value: object) -> None:
         if not isinstance(value, dict):
-            raise _wrong(where, value, typed_dict)
+            raise _wrong(value, typed_dict)
         for key in needed:
             if key not in value:
-                raise LedgerError(f"{_at(where, key)} is missing")
+                raise _Fault(lambda where: LedgerError(f"{_at(where, key)} is missing"))
         for key, check in fields:
             if key in value:
-                check(value[key], _at(where, key))
+                try:
+                    check(value[key])
+                except _Fault as fault:
+                    fault.path.append(key)
+                    raise
     return checked
 
 
 def _list(check: Check, hint: Any) -> Check:
-    def items(value: object, where: str) -> None:
+    def items(value: object) -> None:
         if not isinstance(value, list):
-            raise _wrong(where, value, hint)
+            raise _wrong(value, hint)
         for i, item in enumerate(value):
-            check(item, f"{where}[{i}]")
+            try:
+                check(item)
+            except _Fault as fault:
+                fault.path.append(i)
+                raise
     return items
 
 
 def _scalar(hint: Any) -> Check:
     words = get_args(hint) if get_origin(hint) is Literal else None
 
-    def scalar(value: object, where: str) -> None:
+    def scalar(value: object) -> None:
         if words is not None:
             holds = any(type(value) is type(word) and value == word for word in words)  # True is no 1
         elif hint is float:  # JSON writes 1.0 as 1; NaN and Infinity are Python's, no JSON number
@@ -138,7 +167,7 @@ def _scalar(hint: Any) -> Check:
         else:
             holds = type(value) is hint  # int, str, bool: a bool is no int
         if not holds:
-            raise _wrong(where, value, hint)
+            raise _wrong(value, hint)
     return scalar
 
 
@@ -153,8 +182,8 @@ def _at(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _wrong(where: str, value: object, hint: Any) -> LedgerError:
-    return LedgerError(f"{where or 'the document'} {shown(value)} is not {_named(hint)}")
+def _wrong(value: object, hint: Any) -> _Fault:
+    return _Fault(lambda where: LedgerError(f"{where or 'the document'} {shown(value)} is not {_named(hint)}"))
 
 
 NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false", type(None): "null"}

@@ -1,8 +1,7 @@
 """GETs of the engines' routes over kept-alive connections, each failure sorted into a lifecycle state.
 
-Every engine is read on every scrape, so a GET's own cost counts: http.client takes about a quarter
-of the CPU httpx does per request, and this is all the exporter asks of HTTP (no proxies: a proxy
-from the environment must not sit between the exporter and its engines).
+Every engine is read on every scrape, so a GET's own cost counts: wire.py speaks the little HTTP this
+is (no proxies: a proxy from the environment must not sit between the exporter and its engines).
 
 Each GET has one deadline for all of it (connect, send, status line, headers, body): a socket timeout
 alone applies to each receive, so an engine answering a byte at a time would hold a read for as long
@@ -11,70 +10,20 @@ as it liked. And its body is bounded, so no engine can make the exporter hold mo
 from __future__ import annotations
 
 import http.client
-import io
 import json
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
-from urllib.parse import urlsplit
 
 from vramledger.exporter.engines.base import Loading, Unreachable, Wrong
+from vramledger.exporter.engines.wire import MAX_BODY, Server, SlowAnswer, TooLarge, get, request
+
+__all__ = ["MAX_BODY", "HttpClient", "Response", "SlowAnswer", "TooLarge", "WrongStatus", "fetch"]
 
 # A proxy between the exporter and the engine answers these when the engine behind it is gone.
 _GATEWAY = (502, 504)
-# The largest answer read: a vLLM /metrics is about 60 KB, a ledger a few KB; a bigger body is wrong.
-MAX_BODY = 8 << 20
-_PIECE = 64 << 10  # a body of unknown length is read this much at a time
-
-
-class SlowAnswer(TimeoutError):
-    """The deadline passed after the server had begun to answer: up, but too slow (or dripping)."""
-
-
-class TooLarge(http.client.HTTPException):
-    """A body beyond MAX_BODY."""
-
-
-class _DeadlineIO(io.RawIOBase):
-    """The response's socket reader, each receive given only what is left of the GET's deadline."""
-
-    def __init__(self, raw: io.RawIOBase, sock: socket.socket, deadline: float):
-        super().__init__()
-        self._raw, self._sock, self._deadline = raw, sock, deadline
-        self.received = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        left = self._deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError("timed out")
-            self._sock.settimeout(left)
-            n = self._raw.readinto(buffer) or 0
-        except TimeoutError as e:
-            if self.received:
-                raise SlowAnswer(f"{self.received} bytes of the answer arrived in time") from e
-            raise
-        self.received += n
-        return n
-
-    def close(self) -> None:
-        super().close()
-        self._raw.close()  # the socket's reference: the connection closes the socket itself
-
-
-class _DeadlineResponse(http.client.HTTPResponse):
-    """http.client's response, reading its status line, headers and body under one deadline."""
-
-    def __init__(self, sock: socket.socket, *args, deadline: float, **kwargs):
-        super().__init__(sock, *args, **kwargs)
-        # http.client's reader, unbuffered: it keeps the socket open while the response reads
-        raw = self.fp.detach()
-        self.fp = io.BufferedReader(_DeadlineIO(raw, sock, deadline))
 
 
 @dataclass(frozen=True)
@@ -98,82 +47,73 @@ class HttpClient:
 
     def __init__(self, timeout: float):
         self.timeout = timeout
-        self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
+        self._idle: dict[Server, list[socket.socket]] = {}
         self._lock = threading.Lock()
+        self._tls: ssl.SSLContext | None = None  # made at the first https server
 
     def get(self, url: str) -> Response:
         """Raises OSError (refused, reset, timed out: SlowAnswer once the answer had begun) or
         http.client.HTTPException (no HTTP answer; TooLarge for a body beyond MAX_BODY)."""
         deadline = time.monotonic() + self.timeout
-        parts = urlsplit(url)
-        server = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        conn, reused = self._take(server)
+        server, head = request(url)
+        sock, reused = self._take(server)
         try:
+            if sock is None:
+                sock = self._connect(server, deadline)
             try:
-                response, body = self._get(conn, target, deadline)
+                answer = get(sock, head, deadline)
             except (ConnectionError, http.client.RemoteDisconnected):
                 if not reused:
                     raise
-                conn.close()  # the server closed a kept-alive connection meanwhile: once more, afresh
-                conn = self._connection(server)
-                response, body = self._get(conn, target, deadline)
+                sock.close()  # the server closed a kept-alive connection meanwhile: once more, afresh
+                sock = self._connect(server, deadline)
+                answer = get(sock, head, deadline)
         except BaseException:
-            conn.close()
+            if sock is not None:
+                sock.close()
             raise
-        if response.will_close:
-            conn.close()
+        if answer.will_close:
+            sock.close()
         else:
             with self._lock:
-                self._idle.setdefault(server, []).append(conn)
-        return Response(response.status, body)
+                self._idle.setdefault(server, []).append(sock)
+        return Response(answer.status, answer.body)
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                conn.close()
+        for socks in idle.values():
+            for sock in socks:
+                sock.close()
 
-    @staticmethod
-    def _get(conn: http.client.HTTPConnection, target: str,
-             deadline: float) -> tuple[http.client.HTTPResponse, bytes]:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        conn.timeout = left  # to connect, where the connection is new
-        if conn.sock is not None:
-            conn.sock.settimeout(left)  # to send
-        # One class for every connection, its deadline given per response.
-        conn.response_class = partial(_DeadlineResponse, deadline=deadline)  # type: ignore[assignment]
-        conn.request("GET", target, headers={"Accept-Encoding": "identity"})
-        response = conn.getresponse()
-        return response, _bounded_body(response)  # read whole: then the connection can serve the next GET
-
-    def _take(self, server: tuple[str, str, int]) -> tuple[http.client.HTTPConnection, bool]:
+    def _take(self, server: Server) -> tuple[socket.socket | None, bool]:
         with self._lock:
             idle = self._idle.get(server)
             if idle:
                 return idle.pop(), True
-        return self._connection(server), False
+        return None, False
 
-    def _connection(self, server: tuple[str, str, int]) -> http.client.HTTPConnection:
+    def _connect(self, server: Server, deadline: float) -> socket.socket:
         scheme, host, port = server
-        kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-        return kind(host, port, timeout=self.timeout)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        sock = socket.create_connection((host, port), left)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the GET goes out whole at once
+            if scheme == "https":
+                sock = self._context().wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
-
-def _bounded_body(response: http.client.HTTPResponse) -> bytes:
-    if response.length is not None:
-        if response.length > MAX_BODY:
-            raise TooLarge(f"body over {MAX_BODY} bytes ({response.length} said)")
-        return response.read()
-    body = bytearray()  # chunked, or up to the end of the connection: the bound is found while reading
-    while piece := response.read(_PIECE):
-        body += piece
-        if len(body) > MAX_BODY:
-            raise TooLarge(f"body over {MAX_BODY} bytes")
-    return bytes(body)
+    def _context(self) -> ssl.SSLContext:
+        if self._tls is None:  # as http.client's default: the system's CAs, the host name checked
+            context = ssl.create_default_context()
+            context.set_alpn_protocols(["http/1.1"])
+            self._tls = context
+        return self._tls
 
 
 class WrongStatus(Wrong):

@@ -70,6 +70,9 @@ class VramledgerEngine:
         self._locator = locator or PortLocator(self.url)  # its listeners: the processes its pid must be one of
         self._versions: dict[int, str] = {}  # worker pid -> its version
         self._unchecked_at = float("-inf")  # when its port's process was last found out of sight
+        # The listeners last looked at, and why they are out of sight ("" where they are not): their
+        # names are read once per listening process, not every scrape.
+        self._forwarding: tuple[frozenset[int], str] | None = None
 
     def read(self) -> EngineState:
         try:
@@ -102,13 +105,25 @@ class VramledgerEngine:
         if time.monotonic() - self._unchecked_at < TREE_MAX_AGE:  # not looked for on every scrape
             return None
         try:
-            return _not_forwarded(self._locator.listeners())
+            return self._not_forwarded(self._locator.listeners())
         except (NotFound, ValueError) as e:
             if self._unchecked_at == float("-inf"):  # once: a lasting fact of the deployment, no fault
                 log.info("vramledger %s: its pid taken from its ledger, unchecked: %s", self.url,
                          e.reason if isinstance(e, NotFound) else e)
             self._unchecked_at = time.monotonic()
             return None
+
+    def _not_forwarded(self, listeners: frozenset[int]) -> frozenset[int]:
+        """_not_forwarded(listeners), asked once per set of listening processes."""
+        if self._forwarding is None or self._forwarding[0] != listeners:
+            try:
+                _not_forwarded(listeners)
+                self._forwarding = listeners, ""
+            except NotFound as e:
+                self._forwarding = listeners, e.reason
+        if self._forwarding[1]:
+            raise NotFound(self._forwarding[1])  # anew: one raised again would grow its traceback
+        return listeners
 
     def read_ledger(self) -> WorkerLedger:
         """GET /v1/memory, parsed; raises NotServing."""
