@@ -103,8 +103,8 @@ def run(ctx: Context, result: ScenarioResult) -> None:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", ready_timeout(s), server)
         doc, blocks = read_server(url)
-        ranks = doc.get("ranks") or [{}]
-        pid = ranks[0].get("worker", {}).get("host_pid") or ranks[0].get("worker", {}).get("pid")
+        worker = doc["ranks"][0]["worker"] if doc["ranks"] else None
+        pid = (worker.get("host_pid") or worker["pid"]) if worker else None
         seen = settle(view, pid) if pid else None
         expected = {"target": s.weight_bytes(s.model), "draft": s.weight_bytes(s.draft_model)}
         check_ledger(result, doc, blocks, seen, expected, share)
@@ -183,9 +183,9 @@ def check_ledger(result: ScenarioResult, doc: ServerDocument, blocks: int | None
             f"weights[{model}] vs checkpoint", near, format_bytes(held) if held is not None else "no entry",
             f"{format_bytes(wanted)} (checkpoint) ±{WEIGHTS_TOLERANCE:.0%}", measured_bytes=held,
             expected_bytes=wanted))
-    draft = entries.get(("weights", "draft"), {})
-    result.add(Check.compare("draft in the budget", draft.get("in_budget") is True,
-                             f"in_budget: {json.dumps(draft.get('in_budget'))}",
+    draft = entries.get(("weights", "draft"))
+    in_budget = draft.get("in_budget") if draft else None
+    result.add(Check.compare("draft in the budget", in_budget is True, f"in_budget: {json.dumps(in_budget)}",
                              "true: vLLM measured the draft before it sized its KV cache"))
     budget, total = rank["budget"].get("bytes"), rank["device"].get("total_bytes")
     wanted_budget = math.ceil(share * total) if total else None
@@ -193,7 +193,8 @@ def check_ledger(result: ScenarioResult, doc: ServerDocument, blocks: int | None
                              format_bytes(budget) if budget is not None else "none",
                              f"{share:.2f} x {format_bytes(total or 0)} = "
                              f"{format_bytes(wanted_budget or 0)}"))
-    kv, cache = entries.get(("kv_cache", ""), {}).get("bytes"), rank["kv_cache"]
+    kv_entry, cache = entries.get(("kv_cache", "")), rank["kv_cache"]
+    kv = kv_entry["bytes"] if kv_entry else None
     allocated = cache["blocks_total"] + cache.get("blocks_reserved", 0)  # the blocks it hands out, its null block
     result.add(Check.compare(
         "KV cache allocated", kv is not None and blocks is not None and allocated == blocks
@@ -201,7 +202,8 @@ def check_ledger(result: ScenarioResult, doc: ServerDocument, blocks: int | None
         f"{format_bytes(kv or 0)}: {allocated} blocks x {format_bytes(cache['bytes_per_block'])}",
         f"{blocks} blocks (vllm:cache_config_info)"))
     declared = rank["declared_bytes"]
-    idle = declared - entries.get(("activation_peak", ""), {}).get("bytes", 0)
+    peak = entries.get(("activation_peak", ""))
+    idle = declared - (peak["bytes"] if peak else 0)
     result.add(Check.compare(
         "device view at idle", seen is not None and abs(seen - idle) <= VIEW_TOLERANCE * idle,
         format_bytes(seen) if seen is not None else "not listed by the device",
@@ -212,7 +214,7 @@ def check_ledger(result: ScenarioResult, doc: ServerDocument, blocks: int | None
                              live is not None and seen is not None and abs(live - seen) <= 0.01 * seen,
                              format_bytes(live) if live is not None else "unknown (no NVML in its process)",
                              f"the device's view {format_bytes(seen or 0)} ±1%"))
-    profile = rank.get("profile") or {}
+    profile: dict = dict(rank.get("profile") or {})  # plugin only: may be absent
     device, own = profile.get("non_torch_increase_bytes"), profile.get("non_torch_process_bytes")
     charged = None if device is None or own is None else max(0, device - max(0, own))
     result.add(Check.compare(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Protocol
 
-from vramledger.ledger_document import ServerDocument
+from vramledger.ledger_document import ServerDocument, SizingDoc
 from vramledger.units import format_bytes
 from vramledger.vllm_plugin.sizing import OWN_PROCESS, SETTING, VLLM
 from vramledger.worker.selfcheck import scenario_vllm
@@ -34,7 +34,7 @@ class Outcome:
     failed: str | None = None
     blocks: int | None = None  # as allocated: those vLLM hands out and its null block
     bytes_per_block: int | None = None
-    sizing: dict | None = None  # the rank's ledger's `sizing` (docs/ledger.md)
+    sizing: SizingDoc | None = None  # the rank's ledger's `sizing` (docs/ledger.md)
 
     @classmethod
     def from_ledger(cls, share: float, doc: ServerDocument) -> Outcome:
@@ -134,7 +134,7 @@ def check_pair(result: ScenarioResult, alone: dict[float, Outcome], own: dict[fl
             f"KV cache at {share:g} (own-process, together)", lost is not None and abs(lost) <= BLOCK_TOLERANCE,
             got.describe() if lost is None else f"{got.blocks} blocks ({-lost:+d} against alone)",
             f"{reference.blocks} blocks (alone) ±{BLOCK_TOLERANCE}", blocks=got.blocks, alone_blocks=reference.blocks))
-        sizing = got.sizing or {}
+        sizing: dict = dict(got.sizing or {})
         result.add(Check.compare(
             f"sizing at {share:g} (own-process, together)",
             sizing.get("ran") == OWN_PROCESS and sizing.get("fallback") is None,
@@ -143,7 +143,7 @@ def check_pair(result: ScenarioResult, alone: dict[float, Outcome], own: dict[fl
             f"ran {OWN_PROCESS}, no fallback (NVML sees each rank's process)"))
     for share in PAIR_SHARES:
         got, reference = arithmetic[share], alone[share]
-        sizing = got.sizing or {}
+        sizing = dict(got.sizing or {})
         charged, own_bytes = sizing.get("vllm_charged_bytes"), sizing.get("own_process_bytes")
         if got.failed is not None or got.blocks is None or reference.blocks is None:
             measured = got.describe()
