@@ -20,8 +20,8 @@ from vramledger.worker import cli
 from vramledger.worker.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from vramledger.worker.memory.profiler import module_tensor_bytes
 from vramledger.worker.models.loader import load_model
+from vramledger.worker.selfcheck import processes, scenario_draft, scenario_ledger, scenario_neighbours
 from vramledger.worker.selfcheck import run as selfcheck_run
-from vramledger.worker.selfcheck import scenario_draft, scenario_ledger, scenario_neighbours
 from vramledger.worker.selfcheck.checkpoints import (
     LARGE_SHAPES,
     build_random_checkpoint,
@@ -133,6 +133,23 @@ def test_sigterm_mid_run_stops_every_process_it_started(tmp_path):
 
 
 # --- the parts, without workers ------------------------------------------------------------------
+def test_closing_gives_the_processes_one_timeout_between_them(tmp_path, monkeypatch):
+    given = []
+    real = processes.stop_group
+    monkeypatch.setattr(processes, "stop_group", lambda popen, timeout, name: given.append(timeout) or
+                        real(popen, timeout, name))
+    ignore_term = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "print('ready', flush=True); time.sleep(300)")
+    with Processes(tmp_path) as procs:
+        stubborn = [procs.start(f"stubborn-{i}", [sys.executable, "-c", ignore_term]) for i in range(3)]
+        wait_until(lambda: all("ready" in p.log_tail() for p in stubborn), 30, "three ready lines", interval=0.05)
+        procs.close(timeout=2.0)
+    # The first waits out the timeout; the others, SIGTERMed at the same moment, get only what is left
+    # (at least a second), not a timeout each.
+    assert given[0] <= 2.0 and given[1:3] == [1.0, 1.0], given
+    assert all(gone(p.pid) for p in stubborn)
+
+
 def test_processes_stop_whole_groups_and_kill_what_ignores_sigterm(tmp_path):
     pid_file = tmp_path / "grandchild"
     with Processes(tmp_path) as procs:

@@ -108,13 +108,15 @@ class Processes:
                 with contextlib.suppress(OSError):
                     pipe.close()
 
-    def close(self) -> None:
-        # TERM them all first, so that they shut down in parallel; then wait and KILL each.
+    def close(self, timeout: float = 15.0) -> None:
+        # TERM them all first, so that they shut down in parallel, then give them one timeout between them:
+        # one each, workers still loading (they exit once loaded) took a timeout apiece, one after another.
         for proc in self.started:
             if proc.alive():
                 _signal_group(proc.popen, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
         for proc in reversed(self.started):
-            self.stop(proc)
+            self.stop(proc, max(1.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Processes:
         return self
