@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vramledger.procfs import PAGE, _read_small, read_pss, read_rss, read_start
+from vramledger.procfs import read_pss, read_rss, read_start, read_start_rss
 
 __all__ = ["ProportionalSizes", "children_files", "descendants", "pids", "read_pss", "read_rss", "read_start",
            "read_start_rss"]
@@ -28,17 +28,6 @@ def pids(proc_root: str | Path = "/proc") -> Iterator[int]:
     """Every process this pid namespace shows."""
     with os.scandir(proc_root) as entries:
         yield from (int(e.name) for e in entries if e.name.isdigit())
-
-
-def read_start_rss(pid: int) -> tuple[int, int] | None:
-    """(read_start(), read_rss()) of a process in one read of its stat (fields 22 and 24: its RSS there is
-    statm's, the same counters summed), for a process known to be listed; None when it is gone."""
-    try:
-        text = _read_small(f"/proc/{pid}/stat")
-        fields = text[text.rindex(b")") + 2:].split()  # after "pid (comm)", from field 3
-        return int(fields[19]), int(fields[21]) * PAGE
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def children_files(proc_root: str | Path = "/proc") -> bool:

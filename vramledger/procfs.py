@@ -32,11 +32,26 @@ def read_rss(pid: int, proc_root: str | Path = "/proc") -> int | None:
         return None
 
 
+def _stat_fields(pid: int, proc_root: str | Path) -> list[bytes]:
+    """/proc/<pid>/stat's fields from the third on (after "pid (comm)", whose name may hold blanks)."""
+    text = _read_small(f"{proc_root}/{pid}/stat")
+    return text[text.rindex(b")") + 2:].split()
+
+
 def read_start(pid: int, proc_root: str | Path = "/proc") -> int | None:
     """When the process started, in clock ticks since boot: with its pid, who it is (pids are reused)."""
     try:
-        text = _read_small(f"{proc_root}/{pid}/stat")
-        return int(text[text.rindex(b")") + 2:].split()[19])  # field 22, after "pid (comm)"
+        return int(_stat_fields(pid, proc_root)[19])  # field 22
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def read_start_rss(pid: int, proc_root: str | Path = "/proc") -> tuple[int, int] | None:
+    """(read_start(), read_rss()) in one read of stat (fields 22 and 24: its RSS is statm's, the same
+    counters summed); None when the process is gone or hidden."""
+    try:
+        fields = _stat_fields(pid, proc_root)
+        return int(fields[19]), int(fields[21]) * PAGE
     except (OSError, IndexError, ValueError):
         return None
 
