@@ -118,3 +118,41 @@ def test_memory_a_new_part_of_the_step_holds_is_measured_with_no_change_to_the_p
     after = activation_peak()
     assert before < HELD <= after
     assert held  # by the profile's own SpeculativeStep
+
+
+def test_the_profile_samples_every_way_serving_does(checkpoints, monkeypatch):
+    """Code and scratch of each way to sample stay once serving has run them: the profile runs each
+    before the KV cache is sized (the C kernels of temperature-only rows, greedy rows, a seeded row's
+    own generator, penalties), and a prefill step whose chunks are not all their prompt's last."""
+    from vramledger.worker.engine import profile_run, row_sampling
+    from vramledger.worker.kernels import draw_tokens, verify_tokens
+
+    cpu = torch.device("cpu")
+    config = EngineConfig(model=checkpoints["llama"], draft_model=checkpoints["llama-draft"], max_model_len=64,
+                          max_num_seqs=3, num_speculative_tokens=3).resolve_lengths(64)
+    runner = ModelRunner(load_model(config.model, torch.float32, cpu),
+                         load_model(config.draft_model, torch.float32, cpu), config.block_size, cpu)
+    runner.allocate_kv_cache(profile_blocks(config))
+    seen = []
+
+    def counting(module, name):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: seen.append(name) or original(*a, **kw))
+
+    counting(draw_tokens, "draw_tokens")
+    counting(verify_tokens, "verify_tokens")
+    counting(row_sampling.History, "__init__")
+    profile_run.run_worst_case(runner, config)
+    assert not {"draw_tokens", "verify_tokens", "__init__"} & set(seen)  # the worst step samples top-k/top-p
+    index, forward = [], profile_run.plain_forward
+
+    def recording(step, prefill, chunks, decode):
+        index.append([s.num_cached + c < len(s) for s, c in zip(prefill, chunks)])
+        return forward(step, prefill, chunks, decode)
+
+    monkeypatch.setattr(profile_run, "plain_forward", recording)
+    seen.clear()
+    profile_run.run_sampling_paths(runner, config)
+    assert {"draw_tokens", "verify_tokens", "__init__"} <= set(seen)  # __init__: a History
+    assert [True, False] in index  # one chunk ends its prompt, one does not
+    assert any(p.greedy for p in profile_run.OTHER_PARAMS) and any(p.seed is not None for p in profile_run.OTHER_PARAMS)

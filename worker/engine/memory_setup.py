@@ -11,6 +11,7 @@ from vramledger.worker.engine.profile_run import (
     profile_blocks,
     request_states,
     run_prompt_alone,
+    run_sampling_paths,
     run_varied,
     run_worst_case,
 )
@@ -42,6 +43,7 @@ def plan_memory(runner: ModelRunner, config: EngineConfig, device: Device, ledge
     with profile_window(device) as window:
         run_worst_case(runner, c)
         run_prompt_alone(runner, c)
+        run_sampling_paths(runner, c)
         window.mark()
         run_varied(runner, c)  # untrimmed, as serving runs: what the allocator cannot reuse
         runner.workspace.clear()  # serving grows it again, never past this run: an activation

@@ -19,6 +19,12 @@ from vramledger.worker.engine.step_context import StepContext
 
 # Sampling with top-k and top-p takes the most memory (a sort of the vocabulary).
 WORST_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+# The other ways a row samples, each its own code: a temperature alone (the C kernels draw_tokens.c and
+# verify_tokens.c), greedy, a seeded row's own generator, and penalties (a history of every row's
+# tokens). Serving runs them too: the code and the scratch they bring in count before the KV cache is
+# sized, or serving's peak passes it (by up to 0.5 MiB of 575 with the shipped pair).
+OTHER_PARAMS = (SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+                SamplingParams(temperature=1.0, seed=0, presence_penalty=0.5, repetition_penalty=1.1))
 
 
 def profile_blocks(config: EngineConfig) -> int:
@@ -63,14 +69,16 @@ class ProfileStep:
         self.speculative = SpeculativeStep(self.context, config.max_num_batched_tokens)
         self.policy = speculation_policy("fixed", config.num_speculative_tokens)  # learns nothing
 
-    def rows(self, count: int, length: int, cached: int, draft_cached: int = 0) -> list[Sequence]:
+    def rows(self, count: int, length: int, cached: int, draft_cached: int = 0,
+             params: SamplingParams = WORST_PARAMS) -> list[Sequence]:
         """`count` rows of `length` tokens (one list, shared), `cached` of them in the target's cache and
-        `draft_cached` in the draft's."""
+        `draft_cached` in the draft's, sampling with `params`."""
         tokens = [1] * length
         rows = []
         for i in range(count):
-            seq = Sequence(f"profile-{i}", tokens, WORST_PARAMS, block_table=self.table)
+            seq = Sequence(f"profile-{i}", tokens, params, block_table=self.table)
             seq.num_cached, seq.num_draft_cached = cached, draft_cached
+            self.context.sampling.add(seq)  # a seeded row's generator
             rows.append(seq)
         return rows
 
@@ -82,17 +90,18 @@ class ProfileStep:
         if "draft" in self.runner.models:  # each row's last token is its first proposal's to read
             self.speculative.read(self.rows(rows, start + width + 1, start + width, draft_cached=start))
 
-    def decode(self, batch: int, longest: int) -> None:
+    def decode(self, batch: int, longest: int, params: SamplingParams = WORST_PARAMS) -> None:
         """A decode step of `batch` rows at context `longest`: plain, or k proposals verified."""
         k = self.config.num_speculative_tokens
         if k == 0:
-            plain_forward(self.context, [], [], self.rows(batch, longest, longest - 1))
+            plain_forward(self.context, [], [], self.rows(batch, longest, longest - 1, params=params))
             return
         # The first draft step reads the bonus token and the token before it or, with adaptive
         # speculation, what a draft behind after plain steps has not caught up on (further behind, its
         # catch-up runs as prefill chunks, the shapes of the prefill steps).
         behind = min(longest, CATCH_UP_AFTER if self.config.speculation == "adaptive" else 2)
-        self.speculative(self.rows(batch, longest, longest - 1, draft_cached=longest - behind), k, self.policy)
+        self.speculative(self.rows(batch, longest, longest - 1, draft_cached=longest - behind, params=params), k,
+                         self.policy)
 
 
 @torch.inference_mode()
@@ -107,6 +116,17 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
     for rows, width, start in prefill_shapes(runner, config, longest):
         step.prefill(rows, width, start, min(batch or config.max_num_seqs, config.max_num_seqs - rows), longest)
     step.decode(batch or config.max_num_seqs, longest)
+
+
+@torch.inference_mode()
+def run_sampling_paths(runner: ModelRunner, config: EngineConfig) -> None:
+    """A full decode step for each other way a row samples (OTHER_PARAMS), and a prefill step whose
+    chunks are not all their prompt's last (those rows draw nothing): less memory than the worst
+    steps, but code and scratch of their own that stay once serving has run them."""
+    step = ProfileStep(runner, config)
+    for params in OTHER_PARAMS:
+        step.decode(config.max_num_seqs, config.max_model_len, params)
+    plain_forward(step.context, step.rows(2, 2, 0), [1, 2], [])
 
 
 @torch.inference_mode()
