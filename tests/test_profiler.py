@@ -306,3 +306,20 @@ def test_cuda_allocator_slack_is_reserved_beyond_the_peak(monkeypatch):
         cuda.reserved += 300 * MiB  # segments split so that the next shapes needed new ones
     assert result.activation_peak_bytes == 2 * GiB
     assert result.allocator_bytes == 300 * MiB
+
+
+def test_cpu_allocator_slack_counts_the_free_blocks_malloc_keeps(cpu):
+    """Blocks freed between blocks still in use stay in malloc's heap: a later step may find their pages
+    resident beside its own, so the window's allocator figure holds at least them."""
+    libc = mem_hog._libc()
+    block = 64 << 10  # under the pinned mmap threshold: in the heap
+    with profile_window(cpu) as result:
+        result.mark()
+        blocks = [libc.malloc(block) for _ in range(512)]  # 32 MiB
+        for b in blocks[::2]:  # every other one: none can merge with a free neighbour
+            libc.free(b)
+    try:
+        assert result.allocator_bytes >= 15 * MiB
+    finally:
+        for b in blocks[1::2]:
+            libc.free(b)

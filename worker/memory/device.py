@@ -52,6 +52,7 @@ class Device:
     def torch_reserved_bytes(self) -> int: raise NotImplementedError
     def torch_peak_allocated_bytes(self) -> int: raise NotImplementedError
     def reset_peak(self) -> bool: raise NotImplementedError  # False: the peak could not be reset
+    def allocator_free_bytes(self) -> int: raise NotImplementedError  # held by the allocator, not in use
     def synchronize(self) -> None: raise NotImplementedError
     def empty_cache(self) -> None: raise NotImplementedError
 
@@ -134,6 +135,9 @@ class CpuDevice(Device):
     def synchronize(self) -> None:
         pass
 
+    def allocator_free_bytes(self) -> int:
+        return heap_free_bytes()
+
     def empty_cache(self) -> None:
         gc.collect()
         release_free_heap()
@@ -170,6 +174,21 @@ def release_free_heap() -> None:
     blocks otherwise stay in malloc's arenas, and in RSS, until reused."""
     if _libc is not None and hasattr(_libc, "malloc_trim"):
         _libc.malloc_trim(0)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_free_bytes() -> int:
+    """Bytes malloc holds free in its arenas, every thread's (glibc's mallinfo2, glibc >= 2.33; 0 where
+    there is none): freed blocks a later allocation may reuse, their pages resident until then."""
+    if _libc is None or not hasattr(_libc, "mallinfo2"):
+        return 0
+    _libc.mallinfo2.restype = _Mallinfo2
+    return int(_libc.mallinfo2().fordblks)
 
 
 def fix_mmap_threshold(nbytes: int = CPU_MMAP_THRESHOLD) -> bool:
@@ -233,6 +252,9 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
+
+    def allocator_free_bytes(self) -> int:
+        return self.torch_reserved_bytes() - self.torch_allocated_bytes()
 
     def empty_cache(self) -> None:
         gc.collect()
