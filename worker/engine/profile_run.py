@@ -124,8 +124,9 @@ def run_sampling_paths(runner: ModelRunner, config: EngineConfig) -> None:
     chunks are not all their prompt's last (those rows draw nothing): less memory than the worst
     steps, but code and scratch of their own that stay once serving has run them."""
     step = ProfileStep(runner, config)
+    context = min(config.max_model_len, 2 * CATCH_UP_AFTER)  # what sampling holds depends on rows, not context
     for params in OTHER_PARAMS:
-        step.decode(config.max_num_seqs, config.max_model_len, params)
+        step.decode(config.max_num_seqs, context, params)
     plain_forward(step.context, step.rows(2, 2, 0), [1, 2], [])
 
 
