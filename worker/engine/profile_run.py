@@ -120,7 +120,7 @@ def run_worst_case(runner: ModelRunner, config: EngineConfig, longest: int | Non
 
 @torch.inference_mode()
 def run_sampling_paths(runner: ModelRunner, config: EngineConfig) -> None:
-    """A full decode step for each other way a row samples (OTHER_PARAMS), and a prefill step whose
+    """A decode step of every row for each other way a row samples (OTHER_PARAMS), and a prefill step whose
     chunks are not all their prompt's last (those rows draw nothing): less memory than the worst
     steps, but code and scratch of their own that stay once serving has run them."""
     step = ProfileStep(runner, config)
