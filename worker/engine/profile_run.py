@@ -143,25 +143,24 @@ def run_prompt_alone(runner: ModelRunner, config: EngineConfig) -> None:
             step.prefill(rows, width, start)
 
 
-# This pass is most of the profile's time (3.9 of 5.3 s with the shipped pair on 2 idle cores), and it
-# stays whole: every shape and round of it raised the peak in measurement. With the CPU kernels (the
-# shipped pair, 2048 tokens x 16 rows) the peak rose 1.3-2.2 MiB over the pass, after steps of each of the
-# three shapes, 0.2-0.5 MiB of it in the second and third rounds, and now and then at a varied step itself
-# (small blocks of the glibc heap, sized by the step's rows and context); serving's real peak came within
-# 0.2-1.9 MiB of the budget (bench/profiler_accuracy.py), so a shorter pass would let it pass the budget.
+# This pass is most of the profile's time. Each round runs the steps of the three other shapes, then
+# the worst step once: the blocks they freed that it cannot reuse raise its peak, and what malloc holds
+# free after the rounds counts too (profile_window), so the worst step need not follow each shape. With
+# the worst step after every shape (nine of them, 4.3 of 5.4 s of the shipped pair's profile on 2 idle
+# cores) the peak rose 1.3-2.2 MiB over the pass, 0.2-0.5 MiB of it in the second and third rounds.
 VARIED_ROUNDS = 3  # with one round the real peak passed the budget by up to 0.5% (docs/ledger.md)
 VARIED_SHAPES = ((1, 2), (3, 4), (1, 4))  # (numerator, denominator) of the longest context and batch
 
 
 def run_varied(runner: ModelRunner, config: EngineConfig) -> None:
-    """Steps of other shapes, as serving mixes them (prompts and batches of other sizes), each
-    followed by the worst step, for several rounds: freed blocks of earlier steps that cannot
-    serve the next ones raise the peak, a little more each round until the heap settles."""
+    """Steps of other shapes, as serving mixes them (prompts and batches of other sizes), then the
+    worst step, for several rounds: freed blocks of earlier steps that cannot serve the next ones
+    raise the peak, a little more each round until the heap settles."""
     for _ in range(VARIED_ROUNDS):
         for num, den in VARIED_SHAPES:
             run_worst_case(runner, config, longest=max(2, config.max_model_len * num // den),
                            batch=max(1, config.max_num_seqs * num // den))
-            run_worst_case(runner, config)
+        run_worst_case(runner, config)
 
 
 def request_states(config: EngineConfig, tokenizer, device: torch.device, count: int | None = None) -> list[tuple]:
