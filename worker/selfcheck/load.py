@@ -44,8 +44,8 @@ def fill_load(worker: WorkerProcess, num_requests: int, max_model_len: int, voca
     stop = threading.Event()
     peak = {"blocks": 0}
 
-    # The fill is at its peak for the last few steps only (every request near max_model_len at once):
-    # watched 50 times a second so that a fast device's last steps are not missed.
+    # The fill is at its peak for the last step or two only (every request near max_model_len at once):
+    # watched every 2 ms (a step of a small load takes a few) so that its last steps are not missed.
     def watch() -> None:
         with httpx.Client(timeout=10, trust_env=False) as client:
             while not stop.is_set():
@@ -55,7 +55,7 @@ def fill_load(worker: WorkerProcess, num_requests: int, max_model_len: int, voca
                     peak["blocks"] = max(peak["blocks"], used)
                 except (httpx.HTTPError, ValueError, KeyError):
                     pass
-                stop.wait(0.02)
+                stop.wait(0.002)
 
     def complete(client: httpx.Client, prompt: list[int]) -> int:
         body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
