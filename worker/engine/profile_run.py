@@ -149,15 +149,15 @@ def run_prompt_alone(runner: ModelRunner, config: EngineConfig) -> None:
 # peak (0.2-0.5 MiB of the shipped pair's, 2048 tokens x 16 rows), and with one round no run of
 # bench/profiler_accuracy.py --goals passed its budget (20 of 20, margin 2.1-4.8 MiB). On CUDA the
 # allocator entry is torch's cached segments beyond the peak, which grow round by round: three rounds.
-VARIED_ROUNDS = {"cpu": 1, "cuda": 3}
+VARIED_ROUNDS, CPU_VARIED_ROUNDS = 3, 1
 VARIED_SHAPES = ((1, 2), (3, 4), (1, 4))  # (numerator, denominator) of the longest context and batch
 
 
 def run_varied(runner: ModelRunner, config: EngineConfig) -> None:
     """Steps of other shapes, as serving mixes them (prompts and batches of other sizes), then the
-    worst step, for VARIED_ROUNDS rounds: freed blocks of earlier steps that cannot serve the next
+    worst step, for several rounds: freed blocks of earlier steps that cannot serve the next
     ones raise the peak, a little more each round until the heap settles."""
-    for _ in range(VARIED_ROUNDS.get(runner.device.type, 3)):
+    for _ in range(CPU_VARIED_ROUNDS if runner.device.type == "cpu" else VARIED_ROUNDS):
         for num, den in VARIED_SHAPES:
             run_worst_case(runner, config, longest=max(2, config.max_model_len * num // den),
                            batch=max(1, config.max_num_seqs * num // den))
