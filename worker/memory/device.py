@@ -182,13 +182,15 @@ class _Mallinfo2(ctypes.Structure):
                  "keepcost")]
 
 
+_mallinfo2 = getattr(_libc, "mallinfo2", None)  # glibc >= 2.33
+if _mallinfo2 is not None:
+    _mallinfo2.restype = _Mallinfo2
+
+
 def heap_free_bytes() -> int:
-    """Bytes malloc holds free in its arenas, every thread's (glibc's mallinfo2, glibc >= 2.33; 0 where
-    there is none): freed blocks a later allocation may reuse, their pages resident until then."""
-    if _libc is None or not hasattr(_libc, "mallinfo2"):
-        return 0
-    _libc.mallinfo2.restype = _Mallinfo2
-    return int(_libc.mallinfo2().fordblks)
+    """Bytes malloc holds free in its arenas, every thread's (glibc's mallinfo2; 0 where there is
+    none): freed blocks a later allocation may reuse, their pages resident until then."""
+    return int(_mallinfo2().fordblks) if _mallinfo2 is not None else 0
 
 
 def fix_mmap_threshold(nbytes: int = CPU_MMAP_THRESHOLD) -> bool:
